@@ -1,0 +1,5 @@
+import sys
+
+from tokenfab.cli import main
+
+sys.exit(main())

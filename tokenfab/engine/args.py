@@ -1,0 +1,48 @@
+"""Engine configuration, shared by the Python API and every CLI command."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF directory or .gguf file; None = bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes of KV cache on CPU (default: see kv budget)
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # disable CUDA graphs
+    seed: int = 0
+    served_model_name: str | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        if with_model:
+            parser.add_argument("model", nargs="?", default=None,
+                                help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument("--num-kv-blocks", type=int, default=None)
+        parser.add_argument("--max-num-seqs", type=int, default=256)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--served-model-name", default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

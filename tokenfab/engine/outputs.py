@@ -1,0 +1,47 @@
+"""What the engine hands back for each request, step by step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # all text generated so far (stop string excluded)
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
+    delta_text: str = ""  # text new since the previous RequestOutput of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
