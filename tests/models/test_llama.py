@@ -1,0 +1,96 @@
+"""Llama-family logits equal transformers' (fp32) at prefill and over decode steps through the paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model, tiny_config
+from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.engine.sampling_params import SamplingParams
+
+CASES = {
+    "llama": {},
+    "llama-tied-bias": dict(tie_word_embeddings=True, attention_bias=True),
+    "llama3-rope": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}),
+    "mistral": dict(sliding_window=7),
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3-yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 128}),
+}
+
+
+def _model_type(case: str) -> str:
+    return case.split("-")[0].replace("llama3", "llama")
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request, tmp_path_factory):
+    case = request.param
+    path = tmp_path_factory.mktemp(case)
+    config = tiny_config(_model_type(case), **CASES[case])
+    hf = save_tiny_model(config, path)
+    engine = LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+    return hf, engine
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_prefill_and_decode_logits_match(tiny):
+    hf, engine = tiny
+    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
+    for prompt in prompts:
+        ids = list(prompt)
+        engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        step_logits = []
+        # capture logits per step through the runner
+        orig = engine.runner.execute
+
+        def spy(batch, _orig=orig):
+            out = _orig(batch)
+            step_logits.append(out.clone())
+            return out
+
+        engine.runner.execute = spy
+        try:
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += engine.step()
+        finally:
+            engine.runner.execute = orig
+        generated = outs[-1].outputs[0].token_ids
+        assert len(generated) == 6
+        full = ids + generated
+        ref = _hf_logits(hf, full)
+        # step 0 is the prefill (maybe in chunks), then 5 decode steps
+        assert len(step_logits) == 6
+        for s, logits in enumerate(step_logits):
+            pos = len(ids) - 1 + s
+            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
+            assert int(ref[pos].argmax()) == full[pos + 1]
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_batched_equals_alone(tiny):
+    _, engine = tiny
+    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(batch):
+        for i, p in enumerate(batch):
+            engine.add_request(f"b{i}-{len(batch)}", p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        return [done[f"b{i}-{len(batch)}"] for i in range(len(batch))]
+
+    alone = [run([p])[0] for p in prompts]
+    assert run(prompts) == alone

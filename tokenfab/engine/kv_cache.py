@@ -1,0 +1,154 @@
+"""The paged KV cache's block manager, with prefix caching.
+
+Blocks hold ``block_size`` tokens. A full block is identified by a hash chained over the
+whole prefix up to and including it (hash(parent_hash, its tokens)), so equal blocks at
+different prefixes never match. Every block has a reference count; a block whose count
+drops to zero goes to the free queue but keeps its hash, so a later request with the same
+prefix can take it back (a prefix-cache hit) until its memory is needed: allocation takes
+the least recently freed block first (LRU) and only then forgets its hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from tokenfab.engine.sequence import Sequence
+
+_NO_PARENT = 0x5EED
+
+
+def hash_block(parent: int, tokens: Seq[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # counters
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of which found
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _full_block_hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
+        """Chained hashes of seq's full blocks within its first ``upto_tokens`` tokens."""
+        bs = self.block_size
+        hashes = list(seq.block_hashes)
+        parent = hashes[-1] if hashes else _NO_PARENT
+        for i in range(len(hashes), upto_tokens // bs):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with no blocks yet: take every cached block of its known tokens'
+        prefix (at least one token is left to compute, for the logits). Returns tokens hit."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._full_block_hashes(seq, seq.num_tokens - 1)
+        seq.block_hashes = hashes
+        hit = 0
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.block_table.append(block)
+            hit += 1
+        seq.num_computed_tokens = hit * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = seq.num_computed_tokens // self.block_size
+        if n_full <= 0:
+            return
+        hashes = self._full_block_hashes(seq, n_full * self.block_size)
+        seq.block_hashes = hashes
+        for i in range(n_full):
+            block, h = seq.block_table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+
+    # ---- allocation -----------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)  # least recently freed first
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq enough blocks for ``num_new_tokens`` more computed tokens; False if short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Tail blocks go first in the free queue: they are the least
+        likely to be shared, so they are the first evicted."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self.block_hash[block] = None
+        self.cached.clear()
+
+    def check_invariants(self) -> None:
+        """Assert the internal bookkeeping is consistent (tests and debugging)."""
+        assert len(self.free_queue) == sum(1 for r in self.ref_counts if r == 0)
+        for b in self.free_queue:
+            assert self.ref_counts[b] == 0
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h
+        assert all(r >= 0 for r in self.ref_counts)

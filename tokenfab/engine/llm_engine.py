@@ -1,0 +1,332 @@
+"""The engine: requests in, a model step at a time, incremental outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.engine.sampler import sample_next
+from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.loader.model_loader import load_model
+from tokenfab.tokenizer import detokenize_incrementally, eos_token_ids
+
+log = logging.getLogger("tokenfab")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_cache_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    computed_prompt_tokens_total: int
+    num_preemptions_total: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    last_step_num_seqs: int
+    last_step_prefill_tokens: int
+    last_step_decode_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def default_cpu_kv_bytes() -> int:
+    """CPU default: 2 GiB, or a quarter of the machine's memory when that is less."""
+    try:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return min(2 << 30, total // 4)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
+        args = args or EngineArgs(**kwargs)
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        t0 = time.perf_counter()
+        loaded = load_model(args.model, self.dtype, self.device, args.max_model_len)
+        self.model = loaded.model
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = args.served_model_name or loaded.name
+        self.max_model_len = min(
+            args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
+        )
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.config)
+        self.vocab_size = self.config.vocab_size
+        num_blocks = self._kv_blocks(args)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.kv_cache_tokens = num_blocks * args.block_size
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._rng = random.Random(args.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.computed_prompt_tokens_total = 0
+        self.num_steps = 0
+        self._last = (0, 0, 0)
+        log.info(
+            "loaded %s on %s (%s) in %.1fs; KV cache: %d blocks x %d = %d tokens",
+            self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
+            args.block_size, self.kv_cache_tokens,
+        )
+
+    # ---- memory budget --------------------------------------------------------------
+    def _kv_blocks(self, args: EngineArgs) -> int:
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        per_block = kv_bytes_per_token(self.model, self.dtype) * args.block_size
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget(args)
+        else:
+            budget = args.kv_cache_memory or default_cpu_kv_bytes()
+        # never more than what max_num_seqs full-length sequences could use
+        cap = -(-self.max_model_len // args.block_size) * max(args.max_num_seqs, 1)
+        return max(1, min(budget // per_block, cap))
+
+    def _cuda_kv_budget(self, args: EngineArgs) -> int:
+        """A fraction of the GPU's memory, less weights and the measured activation peak of a
+        forward over the largest chunk (run once against a small throwaway cache)."""
+        n = min(args.max_num_batched_tokens, self.max_model_len - 1)
+        probe = ModelRunner(self.model, self.device, self.dtype, args.block_size, -(-n // args.block_size))
+        seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1), 0)
+        seq.block_table = list(range(probe.num_blocks))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        probe.execute(probe.prepare([seq], [n], [True]))
+        torch.cuda.synchronize(self.device)
+        activ = torch.cuda.max_memory_allocated(self.device) - base
+        del probe
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        self.activation_peak_bytes = activ
+        return int(total * args.gpu_memory_utilization - used - activ)
+
+    # ---- requests -------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(t) for t in prompt]
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; ValueError with a clear message if it cannot be served."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but this model's context is {self.max_model_len} "
+                "tokens (including at least one generated token)"
+            )
+        if len(ids) + 1 > self.kv_cache_tokens:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than the KV cache holds ({self.kv_cache_tokens})"
+            )
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, text, ids, params, base_seed, priority, next(self._arrivals), arrival_time)
+        self._seqs[request_id] = seq
+        self.prompt_tokens_total += len(ids)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return self._unschedulable()
+        now = time.time()
+        sample_mask = [
+            seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
+        fwd = self.runner.prepare(batch.seqs, batch.num_new_tokens, sample_mask)
+        logits = self.runner.execute(fwd)
+        sampling = [s for s, m in zip(batch.seqs, sample_mask) if m]
+        sampled = sample_next(logits, sampling, self.eos_token_ids) if sampling else None
+        self.num_steps += 1
+        self._last = (len(batch.seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.computed_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq)
+        outputs = []
+        for i, seq in enumerate(sampling):
+            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _unschedulable(self) -> list[RequestOutput]:
+        """Nothing fits although nothing runs: the head request exceeds the whole cache."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        self.scheduler.finish(seq)
+        seq.finish_reason = "length"
+        return [self._output(seq)]
+
+    def _append_token(self, seq: Sequence, token: int, lp) -> None:
+        now = time.time()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        p = seq.params
+        if p.constraint is not None:
+            p.constraint.accept_token(token)
+        if lp is not None and seq.logprobs is not None:
+            entry = {tok: Logprob(v, r + 1, self._decode_one(tok)) for r, (tok, v) in enumerate(lp[2])}
+            entry.setdefault(token, Logprob(lp[0], lp[1], self._decode_one(token)))
+            seq.logprobs.append(entry)
+        # detokenize
+        stop_token = token in p.stop_token_ids
+        is_eos = not p.ignore_eos and token in self.eos_token_ids
+        if self.tokenizer is not None and not (is_eos or stop_token):
+            new_text, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
+                self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, p.skip_special_tokens
+            )
+            seq.output_text += new_text
+            if p.stop and new_text and self._check_stop_strings(seq, len(new_text)):
+                return self._finish(seq, "stop")
+        if seq.num_output_tokens >= p.min_tokens:
+            if is_eos:
+                return self._finish(seq, "stop", token)
+            if stop_token:
+                return self._finish(seq, "stop", token)
+            if p.constraint is not None and p.constraint.is_terminated():
+                return self._finish(seq, "stop")
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return self._finish(seq, "length")
+        if seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _check_stop_strings(self, seq: Sequence, new_len: int) -> bool:
+        text = seq.output_text
+        for stop in seq.params.stop:
+            start = max(0, len(text) - new_len - len(stop) + 1)
+            idx = text.find(stop, start)
+            if idx != -1:
+                keep = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.output_text = text[:keep]
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, stop_token: int | None = None) -> None:
+        seq.finish_reason = reason
+        if stop_token is not None:
+            seq.stop_reason = stop_token
+        seq.finished_time = time.time()
+        self.scheduler.finish(seq)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.status == SequenceStatus.FINISHED
+        text = seq.output_text
+        if not finished and seq.params.stop:
+            # hold back a tail that could be the start of a stop string
+            text = text[: max(seq.emitted_text_len, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        delta_text = text[seq.emitted_text_len :]
+        delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_token_len :]
+        seq.emitted_text_len = len(text)
+        seq.emitted_token_len = seq.num_output_tokens
+        if finished:
+            self._seqs.pop(seq.request_id, None)
+        out = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.token_ids[: seq.num_prompt_tokens], [out], finished,
+            seq.num_cached_tokens, metrics,
+        )
+
+    # ---- stats ----------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage(),
+            num_used_blocks=bm.num_used_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_tokens=self.kv_cache_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            computed_prompt_tokens_total=self.computed_prompt_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            num_steps=self.num_steps,
+            last_step_num_seqs=self._last[0],
+            last_step_prefill_tokens=self._last[1],
+            last_step_decode_tokens=self._last[2],
+        )

@@ -1,0 +1,84 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tokenfab.engine.outputs import Logprob
+from tokenfab.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One generation stream: its tokens, how many of them have KV in the cache, its blocks."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        base_seed: int,
+        priority: int = 0,
+        arrival_index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.base_seed = base_seed
+        self.priority = priority
+        self.arrival_index = arrival_index
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # detokenization state
+        self.output_text = ""
+        self.emitted_text_len = 0
+        self.emitted_token_len = 0
+        self.prefix_offset = max(len(prompt_token_ids) - 6, 0)
+        self.read_offset = len(prompt_token_ids)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.priority, self.arrival_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_decoding(self) -> bool:
+        """All known tokens but the last have their K/V cached: the next step is a decode."""
+        return self.num_computed_tokens == self.num_tokens - 1 and self.num_output_tokens > 0

@@ -1,0 +1,38 @@
+"""The one flat, unpadded token batch that a model step consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one model step over B sequences and T = sum of their new tokens.
+
+    input_ids, positions, slot_mapping: [T] (slot = block * block_size + offset; -1 skip)
+    block_tables: [B, max_blocks] int32 (rows padded with 0)
+    cu_seqlens_q: [B + 1] int32, the new tokens of sequence b are cu[b]:cu[b+1]
+    context_lens: [B] int32, keys of sequence b after this step (cached + new)
+    logits_indices: [R] int64, rows of the hidden states whose logits are wanted
+    max_query_len, max_context_len: host ints (known when the batch is built; no sync)
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]

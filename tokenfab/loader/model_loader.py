@@ -1,0 +1,101 @@
+"""Building a model from a path: Hugging Face directory or GGUF file (or the bundled model)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenfab.loader.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.weights import load_weights
+from tokenfab.models.registry import resolve_model_class
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: Any  # transformers config
+    tokenizer: Any | None  # transformers tokenizer; None when the directory has none
+    name: str
+    path: Path
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max_position: int, source: Path):
+    try:
+        cls = resolve_model_class(arch)
+    except KeyError as e:
+        raise ModelLoadError(source, str(e.args[0])) from e
+    with _default_dtype(dtype), torch.device(device):
+        return cls(config, max_position=max_position)
+
+
+def _hf_tokenizer(model_dir: Path) -> Any | None:
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(model_dir, f"cannot load the tokenizer: {e}") from e
+
+
+def config_max_len(config: Any) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or 4096)
+
+
+def load_model(
+    path: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load config, weights (in ``dtype`` on ``device``) and tokenizer.
+
+    ``path`` is a directory with config.json + safetensors, a .gguf file, or None for the
+    bundled SmolLM2-135M-Instruct.
+    """
+    name = None
+    if path is None:
+        path, name = bundled_model_path(), BUNDLED_MODEL_NAME
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or directory")
+    if path.is_file() and path.suffix == ".gguf":
+        from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
+
+        ckpt = load_gguf(path)
+        config, arch, weights = ckpt.config, ckpt.architecture, ckpt.tensors()
+        tokenizer = load_gguf_tokenizer(path) if load_tokenizer else None
+    elif path.is_dir():
+        from tokenfab.loader.safetensors_dir import iter_safetensors, load_hf_config
+
+        config = load_hf_config(path)
+        archs = getattr(config, "architectures", None) or []
+        if not archs:
+            raise ModelLoadError(path / "config.json", "config.json names no `architectures`")
+        arch, weights = archs[0], iter_safetensors(path)
+        tokenizer = _hf_tokenizer(path) if load_tokenizer else None
+    else:
+        raise ModelLoadError(path, "expected a model directory or a .gguf file")
+    max_len = min(max_model_len or config_max_len(config), config_max_len(config))
+    model = _build(arch, config, dtype, device, max_len, path)
+    load_weights(model, weights, path)
+    model.eval()
+    return LoadedModel(model, config, tokenizer, name or path.stem if path.is_file() else name or path.name, path)

@@ -1,0 +1,151 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM.
+
+    h = x + Attn(RMSNorm(x));   out = h + MLP(RMSNorm(h))
+    Attn: q, k, v = x Wqkv (+b); q, k = RoPE(q, k) (after per-head RMSNorm in Qwen3);
+          o = softmax(q k^T / sqrt(d)) v over the paged cache; out = o Wo
+    MLP:  down(silu(gate(x)) * up(x))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenfab.forward_batch import ForwardBatch
+from tokenfab.kernels import silu_and_mul
+from tokenfab.layers.attention import Attention
+from tokenfab.layers.embedding import LMHead, VocabEmbedding
+from tokenfab.layers.linear import Linear, MergedLinear
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int:
+    """The sliding window of a layer, 0 for full attention."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else 0
+    if getattr(config, "use_sliding_window", None) is False:
+        return 0
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, max_position: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        model_type = getattr(config, "model_type", "llama")
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, max_position, rope_parameters(config), config.max_position_embeddings
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            sliding_window=layer_sliding_window(config, layer_idx),
+        )
+        self.splits = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        o = self.attn(q, k, v, batch)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, max_position: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, max_position)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x.clone()
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our merged module, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = LlamaModel(config, max_position)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, H] of every token of the batch."""
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,30 @@
+"""From a Hugging Face `architectures` name to the model class that implements it."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
+}
+
+
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    _MODELS[architecture] = (module, class_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architecture: str) -> type:
+    """The class for an architecture name; KeyError with the supported list otherwise."""
+    if architecture not in _MODELS:
+        raise KeyError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)
