@@ -11,12 +11,10 @@ COMMANDS = {
     "serve": ("tokenfab.server.cli", "OpenAI-compatible HTTP server"),
     "generate": ("tokenfab.cli.generate", "generate completions for prompts"),
     "chat": ("tokenfab.cli.chat", "interactive chat in the terminal"),
-    "finetune": ("tokenfab.train.cli", "fine-tune a model (LoRA or full)"),
 }
 BENCH_COMMANDS = {
     "throughput": ("tokenfab.bench.throughput", "offline throughput vs transformers"),
     "serve": ("tokenfab.bench.serve", "load generator against an OpenAI-compatible server"),
-    "latency": ("tokenfab.bench.latency", "single-request latency"),
     "kernels": ("tokenfab.bench.kernels", "kernel microbenchmarks"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
 }

