@@ -189,6 +189,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step -------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if batch.empty:
