@@ -1,0 +1,76 @@
+"""The bundled SmolLM2-135M-Instruct (GGUF, Q4_1) generates exactly transformers' greedy
+tokens (fp32, same GGUF), for varied prompts, alone and all in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab import LLM, SamplingParams
+from tokenfab.loader.bundled import bundled_model_path
+
+NEW_TOKENS = 64
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):",
+    "Once upon a time, in a small village by the sea,",
+    "Les mathématiques sont",
+    "1, 1, 2, 3, 5, 8,",
+    "東京は日本の首都です。",
+]
+CHATS = [
+    [{"role": "user", "content": "Give me three tips for writing clear emails."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "What is the boiling point of water in Fahrenheit?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.tokenizer
+    return [tok.encode(p) for p in TEXT_PROMPTS] + [llm.apply_chat_template(c) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompts):
+    import transformers
+
+    path = bundled_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    hf.eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            res = hf(torch.tensor([ids]), use_cache=True)
+            past, toks = res.past_key_values, [int(res.logits[0, -1].argmax())]
+            for _ in range(NEW_TOKENS - 1):
+                res = hf(torch.tensor([[toks[-1]]]), past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                toks.append(int(res.logits[0, -1].argmax()))
+            out.append(toks)
+    return out
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_each_prompt_alone_matches_transformers(llm, prompts, hf_greedy):
+    for ids, expected in zip(prompts, hf_greedy):
+        got = llm.generate([ids], PARAMS)[0].outputs[0].token_ids
+        assert got == expected
+
+
+def test_all_prompts_in_one_batch_match_transformers(llm, prompts, hf_greedy):
+    outs = llm.generate(prompts, PARAMS)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy
+
+
+def test_batch_with_chunked_prefill_matches(prompts, hf_greedy):
+    small = LLM(max_num_batched_tokens=16, block_size=8)
+    outs = small.generate(prompts, PARAMS)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy
