@@ -52,7 +52,7 @@ def test_prefill_and_decode_logits_match(tiny):
         # capture logits per step through the runner
         orig = engine.runner.execute
 
-        def spy(batch, _orig=orig):
+        def spy(batch, _orig=orig, step_logits=step_logits):
             out = _orig(batch)
             step_logits.append(out.clone())
             return out
