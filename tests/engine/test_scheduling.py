@@ -137,3 +137,17 @@ def test_abort_frees_blocks(tiny_llama_dir):
     eng.abort_request("a")
     assert not eng.has_unfinished_requests()
     assert_blocks_returned(eng)
+
+
+def test_decode_graph_padding_path_gives_same_tokens(tiny_llama_dir, reference):
+    """The CUDA-graph decode path pads batches to captured sizes (slot -1, context 1); on
+    CPU the same padded static batch runs eagerly, so its bookkeeping is checked here."""
+    prompts, expected = reference
+    eng = LLMEngine(model=tiny_llama_dir, num_kv_blocks=2000, max_model_len=128)
+    eng.runner.capture_decode_graphs(max_batch=24, max_model_len=128)
+    assert eng.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
+    calls = []
+    orig = eng.runner.graphs.replay
+    eng.runner.graphs.replay = lambda batch, n: calls.append((batch.num_seqs, n)) or orig(batch, n)
+    assert run_all(eng, prompts[:20]) == expected[:20]
+    assert calls and all(n >= b for b, n in calls) and any(n > b for b, n in calls)

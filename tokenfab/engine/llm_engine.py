@@ -87,6 +87,8 @@ class LLMEngine:
         self.vocab_size = self.config.vocab_size
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size

@@ -91,5 +91,103 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] float32 for the rows in batch.logits_indices."""
+        if self.graphs is not None and batch.max_query_len == 1:
+            n = self.graphs.padded_size(batch.num_seqs)
+            if n is not None and batch.logits_indices.shape[0] == batch.num_seqs:
+                return self.graphs.replay(batch, n)
+        return self.forward_logits(batch)
+
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture decode steps in CUDA graphs for a ladder of batch sizes up to max_batch."""
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len)
+        self.graphs.capture()
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if max_batch not in sizes:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    """Decode-only steps (one new token per sequence) replayed from CUDA graphs.
+
+    A batch of B sequences is padded to the next captured size N: padding rows have slot
+    -1 (store_kv skips them), a context of 1 and block table row 0, so they compute
+    harmless values that are never read. ``max_context_len`` is fixed at capture to the
+    model's context length: the decode kernel reads each row's length on the device, so
+    one graph serves every context length. On CPU (tests) the same padded static batch
+    runs eagerly, which checks the padding logic without a GPU.
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_model_len = max_model_len
+        n, dev = self.sizes[-1], runner.device
+        self.max_blocks = -(-max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.use_cuda = dev.type == "cuda"
+
+    def padded_size(self, b: int) -> int | None:
+        for s in self.sizes:
+            if s >= b:
+                return s
+        return None
+
+    def static_batch(self, n: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
+            block_tables=self.block_tables[:n], cu_seqlens_q=self.cu_seqlens_q[: n + 1],
+            context_lens=self.context_lens[:n], logits_indices=self.logits_indices[:n],
+            max_query_len=1, max_context_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.use_cuda:
+            return
+        pool = None
+        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            batch = self.static_batch(n)
+            for _ in range(2):  # warm up: Triton autotuning / compilation happens outside capture
+                self.runner.forward_logits(batch)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[n] = self.runner.forward_logits(batch)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[n] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+    def replay(self, batch: ForwardBatch, n: int) -> torch.Tensor:
+        b = batch.num_seqs
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.slot_mapping[:b].copy_(batch.slot_mapping)
+        self.slot_mapping[b:n].fill_(-1)
+        w = batch.block_tables.shape[1]
+        self.block_tables[:b, :w].copy_(batch.block_tables)
+        self.context_lens[:b].copy_(batch.context_lens)
+        self.context_lens[b:n].fill_(1)
+        self.block_tables[b:n].zero_()
+        if self.use_cuda:
+            self.graphs[n].replay()
+            return self.outputs[n][:b]
+        return self.runner.forward_logits(self.static_batch(n))[:b]
