@@ -16,6 +16,7 @@ BENCH_COMMANDS = {
     "throughput": ("tokenfab.bench.throughput", "offline throughput vs transformers"),
     "serve": ("tokenfab.bench.serve", "load generator against an OpenAI-compatible server"),
     "kernels": ("tokenfab.bench.kernels", "kernel microbenchmarks"),
+    "engine": ("tokenfab.bench.engine", "end-to-end engine speed on a random model of a real shape"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
 }
 

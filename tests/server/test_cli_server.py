@@ -1,0 +1,171 @@
+"""`tokenfab serve` as a real process: the start-up banner, --api-key (401), --max-waiting (429),
+and SIGTERM draining the running requests before exiting. The tests run in file order: the
+SIGTERM test stops the server and comes last."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key-123"
+
+
+class ServeProcess:
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "TOKENFAB_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenfab", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = self._wait_for(r"serving .* at (http://\S+)/v1", 180).group(1)
+        self._wait_for(r"curl ", 10)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def _wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.output)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"server output never matched {pattern!r}:\n{self.output}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cli_server():
+    server = ServeProcess("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "512",
+                          "--no-access-log", "--drain-timeout", "60")
+    yield server
+    server.stop()
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_banner_names_url_model_kv_and_curl(cli_server):
+    out = cli_server.output
+    assert cli_server.url.startswith("http://127.0.0.1:")
+    assert "SmolLM2-135M-Instruct" in out
+    m = re.search(r"KV cache: ([\d,]+) tokens", out)
+    assert m and int(m.group(1).replace(",", "")) > 0
+    assert f"curl {cli_server.url}/v1/chat/completions" in out
+    assert "Authorization: Bearer $TOKENFAB_API_KEY" in out
+    assert API_KEY not in out  # the key itself is never printed
+
+
+def test_api_key_required(cli_server):
+    url = cli_server.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+        assert r.status_code == 401
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    # health and metrics stay open (probes, scrapers)
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def _first_token(stream_iter) -> None:
+    for line in stream_iter:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            ch = json.loads(line[6:])["choices"]
+            if ch and ch[0].get("text"):
+                return
+    raise AssertionError("stream ended before a token")
+
+
+def test_queue_full_is_429_at_once(cli_server):
+    url = cli_server.url
+    long = {"prompt": "Write a long essay about rivers.", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=url, headers=_auth(), timeout=120) as c1, \
+            httpx.Client(base_url=url, headers=_auth(), timeout=120) as c2:
+        # one request runs (--max-num-seqs 1) ...
+        with c1.stream("POST", "/v1/completions", json=long) as running:
+            assert running.status_code == 200
+            # keep the line iterator referenced: dropping it closes the connection (= disconnect)
+            running_lines = running.iter_lines()
+            _first_token(running_lines)
+            # ... one waits (--max-waiting 1) ...
+            with c2.stream("POST", "/v1/completions", json=long) as waiting:
+                assert waiting.status_code == 200
+                # ... and the next is turned away at once
+                t0 = time.monotonic()
+                r = httpx.post(f"{url}/v1/completions", headers=_auth(), json={"prompt": "hi", "max_tokens": 2})
+                assert time.monotonic() - t0 < 5
+                assert r.status_code == 429, r.text
+                err = r.json()["error"]
+                assert err["code"] == "rate_limit_exceeded" and "waiting" in err["message"]
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+                with pytest.raises(openai.RateLimitError):
+                    client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                                   messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                assert any(x.startswith("data: ") for x in (next(running_lines), next(running_lines)))  # still alive
+    # both streams were dropped: the server frees them and serves again
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_running_requests_then_exits(cli_server):
+    url = cli_server.url
+    payload = {"prompt": "Count slowly:", "max_tokens": 12, "stream": True, "ignore_eos": True,
+               "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, headers=_auth(), timeout=120) as c, \
+            c.stream("POST", "/v1/completions", json=payload) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        _first_token(lines)
+        cli_server.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    assert finishes[-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+    # uvicorn re-raises the captured SIGTERM once it has shut down cleanly
+    assert cli_server.proc.wait(60) in (0, -signal.SIGTERM)
+    assert "Finished server process" in cli_server.output or "Shutting down" in cli_server.output
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")

@@ -1,0 +1,87 @@
+"""`tokenfab serve [MODEL]`: the OpenAI-compatible server on one model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+
+from tokenfab.engine.args import EngineArgs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    g.add_argument("--api-key", default=os.environ.get("TOKENFAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENFAB_API_KEY)")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="answer 429 once this many requests wait for a slot (default 1024)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish (default 30)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--no-access-log", dest="access_log", action="store_false", help="no per-request log lines")
+
+
+def banner(url: str, model: str, kv_tokens: int | None, max_model_len: int, api_key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $TOKENFAB_API_KEY"' if api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
+                       "max_tokens": 64})
+    kv = f"{kv_tokens:,} tokens" if kv_tokens else "unknown"
+    return "\n".join([
+        "",
+        f"tokenfab is serving {model} at {url}/v1",
+        f"  KV cache: {kv}   max model length: {max_model_len:,} tokens",
+        "  endpoints: /v1/completions /v1/chat/completions /v1/models /health /metrics /tokenize /detokenize",
+        "  try:",
+        f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}",
+        "",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.llm_engine import LLMEngine
+    from tokenfab.server.app import ServerConfig, build_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        print("tokenfab serve: --max-waiting must be at least 1", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        engine = LLMEngine(EngineArgs.from_cli_args(args))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"tokenfab serve: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    load_s = time.perf_counter() - t0
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    config = ServerConfig(api_key=args.api_key or None, max_waiting=args.max_waiting,
+                          drain_timeout=args.drain_timeout)
+    app = build_app(async_engine, config)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)), timeout_keep_alive=30,
+    )
+    try:
+        sock = uv_config.bind_socket()
+    except SystemExit:
+        print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    kv_tokens = getattr(engine, "kv_cache_tokens", None)
+    print(f"model loaded in {load_s:.1f}s", flush=True)
+    print(banner(f"http://{shown}:{port}", engine.model_name, kv_tokens, engine.max_model_len,
+                 bool(config.api_key)), flush=True)
+    server = uvicorn.Server(uv_config)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the server: latency histograms observed per request, engine gauges and
+counters read from the engine's stats snapshot at scrape time. One registry per app, so several
+servers can live in one process (tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "tokenfab"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters mirrored from the engine's latest stats (no locking on a step)."""
+
+    def __init__(self, stats: Callable[[], Any], waiting: Callable[[], int], model: str) -> None:
+        self._stats = stats
+        self._waiting = waiting
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+
+        def get(name: str, default: float = 0.0) -> float:
+            v = getattr(s, name, None) if s is not None else None
+            return float(v) if v is not None else default
+
+        labels = ["model_name"]
+        lv = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", get("num_running"))
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled (queued included).",
+                    float(self._waiting()))
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", get("kv_cache_usage"))
+        yield gauge("kv_cache_used_blocks", "KV cache blocks in use.", get("num_used_blocks"))
+        yield gauge("kv_cache_total_blocks", "KV cache blocks in all.", get("num_total_blocks"))
+        yield gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.", get("kv_cache_tokens"))
+        yield gauge("prefix_cache_hit_rate", "Prefix cache hit rate (blocks).", get("prefix_cache_hit_rate"))
+        yield counter("prompt_tokens", "Prompt tokens received.", get("prompt_tokens_total"))
+        yield counter("generation_tokens", "Tokens generated.", get("generation_tokens_total"))
+        yield counter("computed_prompt_tokens", "Prompt tokens computed (prefix-cache misses).",
+                      get("computed_prompt_tokens_total"))
+        yield counter("num_preemptions", "Sequences preempted for lack of KV cache.",
+                      get("num_preemptions_total"))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], Any] | None = None,
+                 waiting: Callable[[], int] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "Time per output token after the first (per request mean).",
+                              labels, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.finished = Counter(f"{PREFIX}_request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.http_errors = Counter(f"{PREFIX}_request_errors", "Requests answered with an error status.",
+                                   ["model_name", "status"], registry=self.registry)
+        if stats is not None:
+            self.registry.register(_EngineCollector(stats, waiting or (lambda: 0), model_name))
+
+    # Hooks called on the engine thread (prometheus_client metrics are thread-safe).
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(max(ttft, 0.0))
+
+    def on_finished(self, chunk: Any, num_generated: int) -> None:
+        reason = chunk.finish_reason or "stop"
+        self.finished.labels(self.model_name, reason).inc()
+        if chunk.finished_time is not None:
+            self.e2e.observe(max(chunk.finished_time - chunk.arrival_time, 0.0))
+            if chunk.first_token_time is not None and num_generated > 1:
+                self.tpot.observe(max(chunk.finished_time - chunk.first_token_time, 0.0) / (num_generated - 1))
+
+    def error(self, status: int) -> None:
+        self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
