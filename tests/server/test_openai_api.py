@@ -280,7 +280,10 @@ def test_metrics_exposes_engine_state(served, http):
     text = http.get("/metrics").text
     for name in ("tokenfab_num_requests_running", "tokenfab_num_requests_waiting", "tokenfab_kv_cache_usage_perc",
                  "tokenfab_prompt_tokens_total", "tokenfab_generation_tokens_total",
-                 "tokenfab_num_preemptions_total", "tokenfab_kv_cache_capacity_tokens"):
+                 "tokenfab_num_preemptions_total", "tokenfab_kv_cache_capacity_tokens",
+                 "tokenfab_prefix_cache_hit_rate", "tokenfab_last_step_num_seqs",
+                 "tokenfab_last_step_prefill_tokens", "tokenfab_last_step_decode_tokens"):
         assert metric(text, name) >= 0
+    assert metric(text, "tokenfab_engine_steps_total") > 0
     assert "tokenfab_time_to_first_token_seconds_bucket" in text
     assert "tokenfab_time_per_output_token_seconds_bucket" in text

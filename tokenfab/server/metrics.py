@@ -62,6 +62,10 @@ class _EngineCollector(Collector):
                       get("computed_prompt_tokens_total"))
         yield counter("num_preemptions", "Sequences preempted for lack of KV cache.",
                       get("num_preemptions_total"))
+        yield counter("engine_steps", "Model steps run.", get("num_steps"))
+        yield gauge("last_step_num_seqs", "Sequences in the latest step's batch.", get("last_step_num_seqs"))
+        yield gauge("last_step_prefill_tokens", "Prompt tokens in the latest step.", get("last_step_prefill_tokens"))
+        yield gauge("last_step_decode_tokens", "Decode tokens in the latest step.", get("last_step_decode_tokens"))
 
 
 class ServerMetrics:
