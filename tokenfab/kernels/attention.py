@@ -172,13 +172,14 @@ def _softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP: tl.constexpr):
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, sink_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
-    scale_log2, softcap, window, group, head_dim, head_dim_v, block_size,
+    scale_log2, softcap, window, group, head_dim, head_dim_v, block_size: tl.constexpr,
     sqb, sqh, skb, skt, skh, svb, svt, svh, sbt, sob, soh,
     NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    D_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -189,6 +190,7 @@ def _decode_split_kernel(
     The share is read from context_lens on the device, so the grid depends only on the batch
     size, the kv heads and NUM_SPLITS (CUDA-graph safe). With NUM_SPLITS == 1 the program
     finishes the softmax itself; otherwise it writes (acc, max, sum) for the reduce kernel.
+    D_CHUNK < BLOCK_D (fp32 operands): q.k is summed over head-dim chunks, as in prefill.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -207,10 +209,11 @@ def _decode_split_kernel(
     g_ok = g < group
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + b64 * sqb + heads.to(tl.int64)[:, None] * sqh + d[None, :],
-        mask=g_ok[:, None] & (d < head_dim)[None, :], other=0.0,
-    )
+    q_rows = q_ptr + b64 * sqb + heads.to(tl.int64) * sqh
+    if D_CHUNK == BLOCK_D:
+        q = tl.load(q_rows[:, None] + d[None, :], mask=g_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+    else:
+        q = 0.0
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     if HAS_SINKS and NUM_SPLITS == 1:
@@ -225,11 +228,19 @@ def _decode_split_kernel(
         j_ok = j < end
         page = tl.load(bt_row + j // block_size, mask=j_ok, other=0).to(tl.int64)
         off = (j % block_size).to(tl.int64)
-        k = tl.load(
-            k_base + (page * skb + off * skt)[:, None] + d[None, :],
-            mask=j_ok[:, None] & (d < head_dim)[None, :], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        k_rows = k_base + page * skb + off * skt
+        if D_CHUNK == BLOCK_D:
+            k = tl.load(k_rows[:, None] + d[None, :], mask=j_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        else:
+            s = tl.zeros((BLOCK_G, BLOCK_N), tl.float32)
+            for dc in tl.static_range(0, BLOCK_D, D_CHUNK):
+                dd = dc + tl.arange(0, D_CHUNK)
+                qd = tl.load(q_rows[:, None] + dd[None, :], mask=g_ok[:, None] & (dd < head_dim)[None, :],
+                             other=0.0)
+                kd = tl.load(k_rows[:, None] + dd[None, :], mask=j_ok[:, None] & (dd < head_dim)[None, :],
+                             other=0.0)
+                s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
         s = _softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
         s = tl.where(j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -294,7 +305,7 @@ MAX_DECODE_SPLITS = 32
 
 
 def decode_config(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int,
-                  num_sms: int) -> dict:
+                  num_sms: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch configuration of paged decode attention (also used by the compile test).
 
     The number of splits depends only on the batch size, the kv heads and the device, never
@@ -312,6 +323,7 @@ def decode_config(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, he
         BLOCK_N=64 if max(block_d, block_dv) <= 128 else 32,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
+        D_CHUNK=min(32, block_d) if dtype == torch.float32 else block_d,
         num_warps=4,
         num_stages=2,
     )
@@ -338,11 +350,13 @@ def _paged_decode_attention_triton(
     sinks: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, Dv]; ``max_context_len`` is not needed (read on the device).
 
     ``num_splits`` (a power of two) overrides the configured split count (tests use it to
-    exercise the split/reduce paths cheaply in the interpreter).
+    exercise the split/reduce paths cheaply in the interpreter); ``config`` overrides entries
+    of ``decode_config`` (the kernel benchmark's sweep).
     """
     b, hq, d = q.shape
     dv = v_cache.shape[-1]
@@ -353,7 +367,8 @@ def _paged_decode_attention_triton(
         q = q.contiguous()
     _check_paged(q, k_cache, v_cache)
     hkv = k_cache.shape[2]
-    cfg = decode_config(b, hq, hkv, d, dv, num_sms(q.device))
+    cfg = decode_config(b, hq, hkv, d, dv, num_sms(q.device), k_cache.dtype)
+    cfg.update(config or {})
     if num_splits is not None:
         if num_splits < 1 or num_splits & (num_splits - 1):
             raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -385,7 +400,7 @@ def _paged_decode_attention_triton(
 @triton.jit
 def _prefill_tiles(
     acc, m_i, l_i, q, q_rows, row_ok, pos, k_base, v_base, bt_row, n_lo, n_hi, kv_end,
-    scale_log2, softcap, window, block_size, skb, skt, svb, svt, head_dim, head_dim_v,
+    scale_log2, softcap, window, block_size: tl.constexpr, skb, skt, svb, svt, head_dim, head_dim_v,
     MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -461,7 +476,7 @@ def _prefill_tiles(
 @triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, sink_ptr, out_ptr,
-    num_seqs, scale_log2, softcap, window, group, head_dim, head_dim_v, block_size,
+    num_seqs, scale_log2, softcap, window, group, head_dim, head_dim_v, block_size: tl.constexpr,
     sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, sot, soh,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -614,8 +629,13 @@ def _prefill_attention_triton(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, Dv]; the sizes ``max_*_len`` are not needed (read on the device)."""
+    """q [T, Hq, D] -> [T, Hq, Dv]; the sizes ``max_*_len`` are not needed (read on the device).
+
+    ``config`` overrides entries of ``prefill_config`` (the kernel benchmark's sweep).
+    """
     t, hq, d = q.shape
     nseq = context_lens.shape[0]
     dv = v_cache.shape[-1]
@@ -627,6 +647,11 @@ def _prefill_attention_triton(
     _check_paged(q, k_cache, v_cache)
     hkv = k_cache.shape[2]
     cfg = prefill_config(hq, hkv, d, dv, k_cache.dtype)
+    if config:
+        cfg.update(config)
+        if "BLOCK_M" in config and "BLOCK_Q" not in config:
+            cfg["HEADS_PER_TILE"] = min(hq // hkv, cfg["BLOCK_M"] // 16)
+            cfg["BLOCK_Q"] = cfg["BLOCK_M"] // cfg["HEADS_PER_TILE"]
     group = hq // hkv
     grid = (t // cfg["BLOCK_Q"] + nseq, hkv * triton.cdiv(group, cfg["HEADS_PER_TILE"]))
     _prefill_kernel[grid](

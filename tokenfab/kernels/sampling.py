@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import torch
 
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device, next_pow2
+import triton
+import triton.language as tl
+# isort: on
+
 from tokenfab.kernels._dispatch import use_triton
 
 _M32 = 0xFFFFFFFF
@@ -76,8 +83,170 @@ def sample_ref(
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def _sample_triton(logits, temperature, top_k, top_p, min_p, seeds):
-    raise NotImplementedError("Triton sample not written yet")
+@triton.jit
+def _hash_uniform_tl(seed, idx):
+    """The reference's hash_uniform for one row: seed uint32 scalar, idx int32 vector."""
+    x = seed ^ (idx.to(tl.uint32) * 0x9E3779B9)
+    x = (x ^ (x >> 16)) * 0x85EBCA6B
+    x = (x ^ (x >> 13)) * 0xC2B2AE35
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, out_ptr,
+    vocab, stride,
+    BLOCK_V: tl.constexpr,
+    NUM_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program per row. See the module docstring for the sampling rule.
+
+    Greedy rows: one pass (argmax, first index on ties). Other rows: pass 1 computes the
+    softmax max and normaliser and the exponential race's winner w over all tokens
+    (argmax of y - log E, y = logit / T). The filters keep {p >= tau} for a threshold tau, so
+    w is the answer whenever it passes them: pass 2 counts the tokens above p_w and their
+    mass. Only when it fails is tau searched for, by a NUM_T-way bisection over the bit
+    patterns of fp32 probabilities (each pass narrows the interval NUM_T + 1 fold), followed
+    by one race over the kept tokens. No sort anywhere.
+    """
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    offs = tl.arange(0, BLOCK_V)
+    if t <= 0.0:
+        best = float("-inf")
+        best_i = 0
+        for v0 in range(0, vocab, BLOCK_V):
+            x = tl.load(base + v0 + offs, mask=v0 + offs < vocab, other=float("-inf")).to(tl.float32)
+            cm = tl.max(x, 0)
+            ci = tl.argmax(x, 0, tie_break_left=True) + v0
+            up = cm > best
+            best_i = tl.where(up, ci, best_i)
+            best = tl.where(up, cm, best)
+        tok = best_i
+    else:
+        seed = tl.load(seed_ptr + row).to(tl.uint32)
+        # pass 1: max, normaliser, race winner
+        m = float("-inf")
+        z = 0.0
+        win_key = float("-inf")
+        win = 0
+        for v0 in range(0, vocab, BLOCK_V):
+            idx = v0 + offs
+            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+            m_new = tl.maximum(m, tl.max(y, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            z = z * tl.exp(m - m_ref) + tl.sum(tl.exp(y - m_ref), 0)
+            m = m_new
+            key = y - tl.log(-tl.log(_hash_uniform_tl(seed, idx)))
+            ck = tl.max(key, 0)
+            ci = tl.argmax(key, 0, tie_break_left=True) + v0
+            up = ck > win_key
+            win = tl.where(up, ci, win)
+            win_key = tl.where(up, ck, win_key)
+        tok = win
+
+        top_k = tl.load(topk_ptr + row).to(tl.int32)
+        top_p = tl.load(topp_ptr + row).to(tl.float32)
+        min_p = tl.load(minp_ptr + row).to(tl.float32)
+        k_eff = tl.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+        k_eff = tl.where(top_p <= 0.0, 1, k_eff)  # top_p 0 keeps only the first token
+        p_lim = tl.where((top_p < 1.0) & (top_p > 0.0), top_p, 2.0)  # 2.0: never binds
+        p_max = tl.exp(m - m) / z
+        tau_min = tl.minimum(tl.maximum(min_p, 0.0) * p_max, p_max)
+        if (k_eff < vocab) | (p_lim < 2.0) | (tau_min > 0.0):
+            y_w = tl.load(base + win).to(tl.float32) / t
+            p_w = tl.exp(y_w - m) / z
+            # pass 2: does the winner survive the filters?
+            cnt = 0
+            mass = 0.0
+            for v0 in range(0, vocab, BLOCK_V):
+                idx = v0 + offs
+                y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+                p = tl.exp(y - m) / z
+                gt = p > p_w
+                cnt += tl.sum(gt.to(tl.int32), 0)
+                mass += tl.sum(tl.where(gt, p, 0.0), 0)
+            q_w = (cnt < k_eff) & (mass < p_lim)
+            if q_w & (p_w < tau_min):
+                tau = tau_min
+            else:
+                tau = p_w
+            if q_w == 0:
+                # NUM_T-way bisection for the smallest tau with count(p > tau) < k and
+                # mass(p > tau) < top_p. Invariant: Q(lo) false, Q(hi) true.
+                lo = p_w.to(tl.int32, bitcast=True)
+                hi = p_max.to(tl.int32, bitcast=True)
+                ti = tl.arange(0, NUM_T)
+                so = tl.arange(0, BLOCK_S)
+                while hi - lo > 1:
+                    step = tl.cdiv(hi - lo, NUM_T + 1)
+                    cand = tl.minimum(lo + (ti + 1) * step, hi)
+                    thr = cand.to(tl.float32, bitcast=True)
+                    cnts = tl.zeros((NUM_T,), tl.int32)
+                    masses = tl.zeros((NUM_T,), tl.float32)
+                    for v0 in range(0, vocab, BLOCK_S):
+                        idx = v0 + so
+                        y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+                        p = tl.exp(y - m) / z
+                        gt = p[None, :] > thr[:, None]
+                        cnts += tl.sum(gt.to(tl.int32), 1)
+                        masses += tl.sum(tl.where(gt, p[None, :], 0.0), 1)
+                    q = (cnts < k_eff) & (masses < p_lim)
+                    n_false = tl.sum((q == 0).to(tl.int32), 0)
+                    new_lo = tl.sum(tl.where(ti == n_false - 1, cand, 0), 0)
+                    new_hi = tl.sum(tl.where(ti == n_false, cand, 0), 0)
+                    lo = tl.where(n_false > 0, new_lo, lo)
+                    hi = tl.where(n_false < NUM_T, new_hi, hi)
+                tau = tl.maximum(hi.to(tl.float32, bitcast=True), tau_min)
+            if tau > p_w:
+                # the winner was filtered out: race again over the kept tokens {p >= tau}
+                win_key = float("-inf")
+                win = 0
+                for v0 in range(0, vocab, BLOCK_V):
+                    idx = v0 + offs
+                    y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+                    p = tl.exp(y - m) / z
+                    key = y - tl.log(-tl.log(_hash_uniform_tl(seed, idx)))
+                    key = tl.where(p >= tau, key, float("-inf"))
+                    ck = tl.max(key, 0)
+                    ci = tl.argmax(key, 0, tie_break_left=True) + v0
+                    up = ck > win_key
+                    win = tl.where(up, ci, win)
+                    win_key = tl.where(up, ck, win_key)
+                tok = win
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+def sample_config(vocab: int) -> dict:
+    """Launch configuration (also used by the compile test)."""
+    block_v = min(next_pow2(vocab), 2048)
+    return dict(BLOCK_V=block_v, NUM_T=16, BLOCK_S=min(block_v, 256), num_warps=8 if block_v >= 2048 else 4)
+
+
+def _sample_triton(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+) -> torch.Tensor:
+    check_device(logits)
+    b, v = logits.shape
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = sample_config(v)
+    _sample_kernel[(b,)](
+        logits, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
+        seeds.contiguous(), out, v, logits.stride(0), **cfg,
+    )
+    return out
 
 
 @torch.library.custom_op("tokenfab::sample", mutates_args=())

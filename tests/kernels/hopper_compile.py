@@ -1,0 +1,258 @@
+"""Compile every Triton kernel for Hopper (sm_90) without a GPU, at the dispatcher's configs.
+
+ARCHITECTURE.md, kernel rule 5. Each workload below calls an op's ``_..._triton`` launcher with
+CPU tensors of realistic shapes; the kernels' launches are intercepted and, instead of running,
+compiled for ``GPUTarget("cuda", 90, 32)`` with exactly the specialisation (signature,
+constexprs, alignment attributes, num_warps, num_stages) a real launch would get. ``cuobjdump``
+(shipped in the triton wheel) then reads registers, shared/local memory and the SASS.
+
+Run as a script with TRITON_INTERPRET=0 (the compiler needs real @triton.jit functions; unset,
+tokenfab.kernels selects the interpreter on a machine without a GPU):
+    TRITON_INTERPRET=0 python tests/kernels/hopper_compile.py --json out.json --markdown
+``tests/kernels/test_hopper_compile.py`` runs it in a subprocess and checks the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+class _Compiler:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kw)`` compiles for sm_90."""
+
+    def __init__(self, jit_fn, results: list[dict], label: Callable[[], str]):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        self.fn = jit_fn
+        self.results = results
+        self.label = label
+        self.target = GPUTarget("cuda", 90, 32)
+        self.backend = make_backend(self.target)
+        self.binder = create_function_from_signature(jit_fn.signature, jit_fn.params, self.backend)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._compile(grid, args, kwargs)
+
+    def _compile(self, grid, args, kwargs) -> None:
+        from triton.compiler import ASTSource
+        from triton.compiler import compile as triton_compile
+
+        t0 = time.perf_counter()
+        bound, spec, options = self.binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self.fn._pack_args(self.backend, kwargs, bound, spec, options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ck = triton_compile(ASTSource(self.fn, signature, constexprs, attrs), target=self.target,
+                                options=options.__dict__)
+        with tempfile.TemporaryDirectory() as d:
+            cubin = os.path.join(d, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(ck.asm["cubin"])
+            usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True,
+                                   text=True, check=True).stdout
+            sass = subprocess.run([_cuobjdump(), "--dump-sass", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+        if m is None:
+            raise RuntimeError(f"cannot read cuobjdump resource usage:\n{usage}")
+        reg, stack, static_shared, local = (int(x) for x in m.groups())
+        const = {k: v for k, v in bound.items() if isinstance(v, (bool, int, str)) and k.isupper()}
+        self.results.append(dict(
+            workload=self.label(),
+            kernel=self.fn.__name__,
+            grid=[int(g) for g in grid],
+            config=const,
+            num_warps=ck.metadata.num_warps,
+            num_stages=ck.metadata.num_stages,
+            registers=reg,
+            stack=stack,
+            local=local,
+            shared=int(ck.metadata.shared) + static_shared,
+            hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+            hmma=len(re.findall(r"\bHMMA\b", sass)),
+            async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
+            compile_s=round(time.perf_counter() - t0, 2),
+        ))
+
+
+# --------------------------------------------------------------------------- workloads
+
+def _paged(b: int, hq: int, hkv: int, d: int, ctx: int, dtype: torch.dtype, bs: int = 16, q_len: int = 1):
+    nblk = (ctx + bs - 1) // bs
+    kc = torch.randn(b * nblk + 1, bs, hkv, d, dtype=dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.arange(b * nblk, dtype=torch.int32).view(b, nblk)
+    q = torch.randn(b * q_len, hq, d, dtype=dtype)
+    cu = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
+    lens = torch.full((b,), ctx, dtype=torch.int32)
+    return q, kc, vc, bt, cu, lens
+
+
+def _workloads() -> list[tuple[str, Callable[[], None]]]:
+    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+
+    def rms(t, h, dtype, residual=False):
+        x = torch.randn(t, h, dtype=dtype)
+        w = torch.randn(h, dtype=dtype)
+        if residual:
+            norm._add_rms_norm_triton(x, torch.randn_like(x), w, 1e-6)
+        else:
+            norm._rms_norm_triton(x, w, 1e-6)
+
+    def qk_norm():
+        qkv = torch.randn(37, (32 + 2 * 8) * 128, dtype=BF16)
+        norm._rms_norm_triton(qkv[:, : 32 * 128].view(37, 32, 128), torch.randn(128, dtype=BF16), 1e-6)
+
+    def rot(hq, hk, d, r, neox, dtype):
+        cs = torch.randn(4096, r, dtype=F32)
+        rope._rotary_embedding_triton(torch.arange(37), torch.randn(37, hq, d, dtype=dtype),
+                                      torch.randn(37, hk, d, dtype=dtype), cs, neox)
+
+    def store(hkv, d, dtype, cache_dtype):
+        kc = torch.zeros(64, 16, hkv, d, dtype=cache_dtype)
+        kv_cache._store_kv_triton(torch.randn(37, hkv, d, dtype=dtype), torch.randn(37, hkv, d, dtype=dtype),
+                                  kc, torch.zeros_like(kc), torch.arange(37))
+
+    def decode(b, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False):
+        q, kc, vc, bt, _, lens = _paged(b, hq, hkv, d, 48, dtype)
+        sk = torch.randn(hq) if sinks else None
+        attention._paged_decode_attention_triton(q, kc, vc, bt, lens, 48, d**-0.5, window, softcap, sk)
+
+    def prefill(b, q_len, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False):
+        q, kc, vc, bt, cu, lens = _paged(b, hq, hkv, d, q_len, dtype, q_len=q_len)
+        sk = torch.randn(hq) if sinks else None
+        attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, q_len, q_len, d**-0.5, window, softcap,
+                                            sk)
+
+    def samp(b, v, dtype):
+        sampling._sample_triton(torch.randn(b, v, dtype=dtype), torch.ones(b), torch.full((b,), 50),
+                                torch.full((b,), 0.9), torch.zeros(b), torch.arange(b))
+
+    return [
+        ("rms_norm bf16 [257, 4096]", lambda: rms(257, 4096, BF16)),
+        ("rms_norm bf16 [257, 1024]", lambda: rms(257, 1024, BF16)),
+        ("rms_norm fp32 [257, 576]", lambda: rms(257, 576, F32)),
+        ("rms_norm bf16 [37, 16384] (chunked)", lambda: rms(37, 16384 + 512, BF16)),
+        ("rms_norm bf16 q-norm [37, 32, 128] strided", qk_norm),
+        ("add_rms_norm bf16 [257, 4096]", lambda: rms(257, 4096, BF16, residual=True)),
+        ("add_rms_norm fp32 [257, 576]", lambda: rms(257, 576, F32, residual=True)),
+        ("rotary neox bf16 32/8 heads d128", lambda: rot(32, 8, 128, 128, True, BF16)),
+        ("rotary gptj bf16 32/8 heads d128 rot64", lambda: rot(32, 8, 128, 64, False, BF16)),
+        ("rotary neox fp32 9/3 heads d64", lambda: rot(9, 3, 64, 64, True, F32)),
+        ("silu_and_mul bf16 [257, 2x14336]", lambda: activation._silu_and_mul_triton(
+            torch.randn(257, 2 * 14336, dtype=BF16))),
+        ("silu_and_mul fp32 [257, 2x1536]", lambda: activation._silu_and_mul_triton(
+            torch.randn(257, 2 * 1536, dtype=F32))),
+        ("gelu_and_mul bf16 tanh [257, 2x9216]", lambda: activation._gelu_and_mul_triton(
+            torch.randn(257, 2 * 9216, dtype=BF16), "tanh")),
+        ("gelu_and_mul bf16 erf [257, 2x9216]", lambda: activation._gelu_and_mul_triton(
+            torch.randn(257, 2 * 9216, dtype=BF16), "none")),
+        ("store_kv bf16 8 heads d128", lambda: store(8, 128, BF16, BF16)),
+        ("store_kv fp32->bf16 3 heads d64", lambda: store(3, 64, F32, BF16)),
+        ("decode bf16 B64 32/8 d128 (split)", lambda: decode(64, 32, 8, 128, BF16)),
+        ("decode bf16 B256 32/8 d128 (1 split)", lambda: decode(256, 32, 8, 128, BF16)),
+        ("decode bf16 B1 16/8 d128 (32 splits)", lambda: decode(1, 16, 8, 128, BF16)),
+        ("decode bf16 B64 64/8 d64 window+sinks", lambda: decode(64, 64, 8, 64, BF16, 128, 0.0, True)),
+        ("decode bf16 B64 8/4 d256 softcap", lambda: decode(64, 8, 4, 256, BF16, 4096, 50.0)),
+        ("decode fp32 B8 9/3 d64", lambda: decode(8, 9, 3, 64, F32)),
+        ("prefill bf16 32/8 d128", lambda: prefill(3, 100, 32, 8, 128, BF16)),
+        ("prefill bf16 16/16 d128 (MHA)", lambda: prefill(3, 100, 16, 16, 128, BF16)),
+        ("prefill bf16 28/4 d128 (group 7)", lambda: prefill(3, 100, 28, 4, 128, BF16)),
+        ("prefill bf16 64/8 d64 window+sinks", lambda: prefill(3, 100, 64, 8, 64, BF16, 128, 0.0, True)),
+        ("prefill bf16 8/4 d256 softcap+window", lambda: prefill(3, 100, 8, 4, 256, BF16, 4096, 50.0)),
+        ("prefill fp32 9/3 d64", lambda: prefill(3, 100, 9, 3, 64, F32)),
+        ("prefill fp32 32/8 d128", lambda: prefill(3, 100, 32, 8, 128, F32)),
+        ("decode fp32 B8 32/8 d128", lambda: decode(8, 32, 8, 128, F32)),
+        ("sample fp32 [64, 151936]", lambda: samp(64, 151936, F32)),
+        ("sample bf16 [8, 49152]", lambda: samp(8, 49152, BF16)),
+    ]
+
+
+def compile_all(only: str | None = None) -> list[dict]:
+    """Compile every kernel launch of every workload; returns one record per launch."""
+    from triton.runtime.jit import JITFunction
+
+    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+
+    results: list[dict] = []
+    current = {"label": ""}
+    saved = []
+    for mod in (activation, attention, kv_cache, norm, rope, sampling):
+        saved.append((mod, "check_device", mod.check_device))
+        mod.check_device = lambda t: None
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Compiler(obj, results, lambda: current["label"]))
+    try:
+        for label, fn in _workloads():
+            if only and only not in label:
+                continue
+            current["label"] = label
+            fn()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    return results
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| workload | kernel | warps | stages | registers | shared (B) | local (B) | HGMMA |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['workload']} | `{r['kernel']}` | {r['num_warps']} | {r['num_stages']} | {r['registers']} "
+            f"| {r['shared']} | {r['local'] + r['stack']} | {r['hgmma'] or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+        print("set TRITON_INTERPRET=0: the Hopper compile needs real @triton.jit functions", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", action="store_true", help="print the table")
+    ap.add_argument("--only", help="compile only workloads whose label contains this")
+    args = ap.parse_args(argv)
+    results = compile_all(args.only)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Compile the MoE Triton kernels for Hopper (sm_90) without a GPU, at the dispatcher's configs.
+
+Reuses the kernel suite's compile-only launcher (``tests/kernels/hopper_compile.py``: each
+``kernel[grid](...)`` launch is compiled for ``GPUTarget("cuda", 90, 32)`` with the specialisation a
+real launch would get, and ``cuobjdump`` reads registers, shared/local memory and the SASS).
+Workloads: routing, align, both grouped GEMMs at every tile bucket of ``moe_config`` (decode to
+8192-token prefill) at a Qwen3-30B-A3B-like shape (128 experts, top-8, hidden 2048, expert
+intermediate 768), GPT-OSS's (biases, clamped SwiGLU, hidden 2880), fp32, and the sum.
+
+    TRITON_INTERPRET=0 python tests/kernels/moe_hopper_compile.py --json out.json --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.kernels.hopper_compile import _Compiler, markdown  # noqa: E402
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+
+def _experts(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, act: str = "silu", bias: bool = False):
+    """Launch the fused-experts path on CPU tensors (contents unused: nothing runs, only shapes matter)."""
+    from tokenfab.kernels import moe
+
+    x = torch.empty(t, h, dtype=dtype)
+    w13 = torch.empty(e, 2 * i, h, dtype=dtype)
+    w2 = torch.empty(e, h, i, dtype=dtype)
+    ids = (torch.arange(t * k, dtype=torch.int32) % e).view(t, k)
+    w = torch.full((t, k), 1.0 / k)
+    b13 = torch.empty(e, 2 * i, dtype=dtype) if bias else None
+    b2 = torch.empty(e, h, dtype=dtype) if bias else None
+    moe._fused_experts_triton(x, w13, w2, w, ids, b13, b2, act)
+
+
+def _workloads() -> list[tuple[str, Callable[[], None]]]:
+    from tokenfab.kernels import moe
+
+    def topk(t, e, k):
+        moe._topk_softmax_triton(torch.empty(t, e, dtype=BF16), k, True)
+
+    def grouped(t, e, k, g, tg):
+        moe._grouped_topk_triton(torch.empty(t, e, dtype=F32), torch.empty(e), k, g, tg, True, 2.5, "sigmoid")
+
+    return [
+        ("topk_softmax bf16 [8192, 128] top-8", lambda: topk(8192, 128, 8)),
+        ("topk_softmax bf16 [64, 32] top-4", lambda: topk(64, 32, 4)),
+        ("grouped_topk fp32 [8192, 256] 8 groups top-4 / top-8", lambda: grouped(8192, 256, 8, 8, 4)),
+        ("qwen3-30b-a3b bf16 T=1", lambda: _experts(1, 128, 8, 2048, 768, BF16)),
+        ("qwen3-30b-a3b bf16 T=64", lambda: _experts(64, 128, 8, 2048, 768, BF16)),
+        ("qwen3-30b-a3b bf16 T=512", lambda: _experts(512, 128, 8, 2048, 768, BF16)),
+        ("qwen3-30b-a3b bf16 T=1024", lambda: _experts(1024, 128, 8, 2048, 768, BF16)),
+        ("qwen3-30b-a3b bf16 T=8192", lambda: _experts(8192, 128, 8, 2048, 768, BF16)),
+        ("gpt-oss-20b bf16 T=8192 (bias, clamped swiglu)",
+         lambda: _experts(8192, 32, 4, 2880, 2880, BF16, "swiglu_oai", True)),
+        ("mixtral-8x7b bf16 T=4096", lambda: _experts(4096, 8, 2, 4096, 14336, BF16)),
+        ("qwen3-30b-a3b fp32 T=1024", lambda: _experts(1024, 128, 8, 2048, 768, F32)),
+    ]
+
+
+# The subset the test compiles (the large-token tiles, decode, routing): about half a minute.
+QUICK = ("topk_softmax bf16 [8192", "grouped_topk", "qwen3-30b-a3b bf16 T=1", "qwen3-30b-a3b bf16 T=8192",
+         "gpt-oss-20b")
+
+
+def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
+    from triton.runtime.jit import JITFunction
+
+    from tokenfab.kernels import moe
+
+    results: list[dict] = []
+    current = {"label": ""}
+    saved = [(moe, "check_device", moe.check_device)]
+    moe.check_device = lambda t: None
+    for name, obj in list(vars(moe).items()):
+        if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+            saved.append((moe, name, obj))
+            setattr(moe, name, _Compiler(obj, results, lambda: current["label"]))
+    try:
+        for label, fn in _workloads():
+            if (only and only not in label) or (quick and not label.startswith(QUICK)):
+                continue
+            current["label"] = label
+            fn()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+        print("set TRITON_INTERPRET=0: the Hopper compile needs real @triton.jit functions", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", action="store_true", help="print the table")
+    ap.add_argument("--only", help="compile only workloads whose label contains this")
+    ap.add_argument("--quick", action="store_true", help="only the workloads the test checks")
+    args = ap.parse_args(argv)
+    results = compile_all(args.only, args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Every Triton kernel compiles for Hopper (sm_90) at the dispatcher's configs, without a GPU.
+
+ARCHITECTURE.md kernel rule 5: all compile, none spills to local memory, and the attention
+kernels that multiply tiles of at least 64 rows with 16-bit operands use Hopper's warp-group
+MMA (HGMMA in the SASS). The compile runs in a subprocess because this process imported
+triton for the interpreter. The table in tokenfab/kernels/README.md comes from the same
+script: ``python tests/kernels/hopper_compile.py --markdown``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernels.conftest import HAS_CUDA
+
+HERE = Path(__file__).resolve().parent
+H100_MAX_SHARED = 227 * 1024  # opt-in shared memory per block on sm_90
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> list[dict]:
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the kernel tests compiled and ran the kernels for real")
+    out = tmp_path_factory.mktemp("hopper") / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
+    env["TRITON_INTERPRET"] = "0"  # real @triton.jit functions (tokenfab.kernels._launch honours it)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hopper_compile.py"), "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_every_kernel_compiles(records):
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+
+    defined = {
+        name
+        for mod in (activation, attention, kv_cache, norm, rope, sampling)
+        for name, obj in vars(mod).items()
+        if isinstance(obj, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
+    }
+    compiled = {r["kernel"] for r in records}
+    assert defined <= compiled, f"never compiled: {sorted(defined - compiled)}"
+
+
+def test_no_spills(records):
+    bad = [(r["workload"], r["kernel"], r["local"], r["stack"]) for r in records if r["local"] or r["stack"]]
+    assert not bad, f"local memory / stack in use (register spills): {bad}"
+
+
+def test_shared_memory_fits(records):
+    bad = [(r["workload"], r["kernel"], r["shared"]) for r in records if r["shared"] > H100_MAX_SHARED]
+    assert not bad, bad
+
+
+def test_prefill_attention_uses_hgmma(records):
+    prefill = [r for r in records if r["kernel"] == "_prefill_kernel"]
+    assert prefill
+    for r in prefill:
+        big_16bit = r["config"]["BLOCK_M"] >= 64 and r["config"]["DOT_PREC"] != "ieee"
+        if big_16bit:
+            assert r["hgmma"] > 0, f"{r['workload']}: no HGMMA in the SASS"
+
+
+def test_decode_attention_uses_tensor_cores(records):
+    """Decode tiles have 16 rows (a kv group's query heads): mma.sync (HMMA) for 16-bit caches."""
+    for r in records:
+        if r["kernel"] == "_decode_split_kernel" and r["config"]["DOT_PREC"] != "ieee":
+            assert r["hmma"] + r["hgmma"] > 0, r["workload"]
+
+
+def test_registers_within_budget(records):
+    for r in records:
+        assert r["registers"] <= 255, r
+        # a program of num_warps warps must fit one multiprocessor's 64K registers
+        assert r["registers"] * 32 * r["num_warps"] <= 65536, r

@@ -1,0 +1,453 @@
+"""`tokenfab bench kernels`: microbenchmarks of the Triton kernels against their torch equivalents.
+
+Each kernel runs at a realistic size (the issue's: decode attention over batch 64 x 4k context
+with 32/8 heads of dim 128 in bf16, prefill over 8 x 2k tokens, ...). Memory-bound kernels
+report GB/s (the fewest bytes the op must move: each input read once, each output written
+once) and the fraction of the device's copy bandwidth, measured in the same run (a
+device-to-device copy, bytes read + written) and of the datasheet peak; attention prefill
+reports TFLOP/s against a bf16 matrix product measured in the same run. Each row also times the
+torch equivalent on the same inputs (SDPA over dense K/V for attention, the eager reference
+elsewhere) and gives the speedup. On CPU the kernels run in Triton's interpreter: only the tiny
+sizes run (``--size tiny``) and the timings say nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+H200_PEAK_GBPS = 4800.0  # datasheet HBM3e bandwidth
+H200_COPY_GBPS = 4000.0  # achievable copy bandwidth (used when not measured)
+H200_BF16_TFLOPS = 790.0  # dense bf16 matrix rate measured on random data (used when not measured)
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    metric: str  # "GB/s" or "TFLOP/s"
+    time_us: float
+    value: float  # achieved GB/s or TFLOP/s
+    ceiling: float  # measured copy GB/s or matrix TFLOP/s of this run
+    fraction_of_ceiling: float
+    peer: str
+    peer_time_us: float | None
+    speedup_vs_peer: float | None
+    max_abs_err: float | None
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", choices=("realistic", "tiny"), default=None,
+                        help="problem sizes (default: realistic on CUDA, tiny on CPU)")
+    parser.add_argument("--ops", default="all",
+                        help="comma-separated subset: rms_norm,add_rms_norm,rotary,silu_and_mul,gelu_and_mul,"
+                             "store_kv,decode_attention,prefill_attention,sample")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    parser.add_argument("--markdown", dest="md_path", default=None, help="write a markdown table here")
+    parser.add_argument("--rep-ms", type=float, default=200.0, help="timed milliseconds per measurement")
+    parser.add_argument("--no-peer", action="store_true", help="skip the torch equivalents")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time launch-configuration variants of the attention kernels (CUDA)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip the remaining sweep variants once this many seconds have passed")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _bench_cuda(fn: Callable[[], object], rep_ms: float) -> float:
+    """Median milliseconds of ``fn`` with CUDA events (triton's do_bench: warm-up, L2 flush)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(rep_ms / 4, 10), rep=rep_ms, return_mode="median"))
+
+
+def _bench_cpu(fn: Callable[[], object], rep_ms: float) -> float:
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while not times or (time.perf_counter() < deadline and len(times) < 20):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def _sizes(tiny: bool) -> dict:
+    if tiny:
+        return dict(tokens=8, hidden=256, inter=512, hq=4, hkv=2, d=64, batch=2, ctx=48, pre_seqs=2,
+                    pre_len=40, vocab=2000, sample_rows=2)
+    return dict(tokens=16384, hidden=4096, inter=14336, hq=32, hkv=8, d=128, batch=64, ctx=4096, pre_seqs=8,
+                pre_len=2048, vocab=151936, sample_rows=256)
+
+
+def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
+    import torch
+    import torch.nn.functional as F
+
+    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+
+    s = _sizes(tiny)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    el = torch.tensor([], dtype=dtype).element_size()
+
+    def rnd(*shape, dt=dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(dev)
+
+    def timed(fn, peer):
+        t = bench(fn, rep_ms)
+        tp = bench(peer, rep_ms) if (peer is not None and want_peer) else None
+        return t, tp
+
+    def err(a, b):
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+    t_, h, inter = s["tokens"], s["hidden"], s["inter"]
+    variants: dict[str, Callable[[dict], Callable[[], object]]] = {}  # filled by the attention workloads
+
+    def w_rms():
+        x, w = rnd(t_, h), rnd(h)
+        fn = lambda: norm._rms_norm_triton(x, w, 1e-6)
+        peer = lambda: norm.rms_norm_ref(x, w, 1e-6)
+        return "rms_norm", f"[{t_}, {h}]", 2 * t_ * h * el, fn, peer, err(fn(), peer()), "eager reference"
+
+    def w_add_rms():
+        x, r, w = rnd(t_, h), rnd(t_, h), rnd(h)
+        r2 = r.clone()
+        e = err(norm._add_rms_norm_triton(x, r, w, 1e-6), norm.add_rms_norm_ref(x, r2, w, 1e-6))
+        fn = lambda: norm._add_rms_norm_triton(x, r, w, 1e-6)
+        peer = lambda: norm.add_rms_norm_ref(x, r2, w, 1e-6)
+        return "add_rms_norm", f"[{t_}, {h}]", 4 * t_ * h * el, fn, peer, e, "eager reference"
+
+    def w_rope():
+        hq, hk, d = s["hq"], s["hkv"], s["d"]
+        q, k = rnd(t_, hq, d), rnd(t_, hk, d)
+        pos = torch.randint(0, 8192, (t_,), generator=g).to(dev)
+        cs = rnd(8192, d, dt=torch.float32)
+        fn = lambda: rope._rotary_embedding_triton(pos, q, k, cs, True)
+        peer = lambda: rope.rotary_embedding_ref(pos, q, k, cs, True)
+        a, b = fn(), peer()
+        nbytes = 2 * t_ * (hq + hk) * d * el + t_ * d * 4 + t_ * 8
+        return "rotary_embedding", f"T={t_} {hq}/{hk}x{d} neox", nbytes, fn, peer, max(err(a[0], b[0]),
+                                                                                      err(a[1], b[1])), "eager"
+
+    def w_act(kind):
+        def make():
+            x = rnd(t_, 2 * inter)
+            if kind == "silu":
+                fn = lambda: activation._silu_and_mul_triton(x)
+                peer = lambda: activation.silu_and_mul_ref(x)
+            else:
+                fn = lambda: activation._gelu_and_mul_triton(x, "tanh")
+                peer = lambda: activation.gelu_and_mul_ref(x, "tanh")
+            return (f"{kind}_and_mul", f"[{t_}, 2x{inter}]", 3 * t_ * inter * el, fn, peer, err(fn(), peer()),
+                    "eager reference")
+        return make
+
+    def w_store():
+        hk, d = s["hkv"], s["d"]
+        k, v = rnd(t_, hk, d), rnd(t_, hk, d)
+        bs = 16
+        kc = torch.zeros((t_ + bs - 1) // bs + 1, bs, hk, d, dtype=dtype, device=dev)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(kc.shape[0] * bs, generator=g)[:t_].to(dev)
+        kc2, vc2 = kc.clone(), vc.clone()
+        kv_cache._store_kv_triton(k, v, kc, vc, slots)
+        kv_cache.store_kv_ref(k, v, kc2, vc2, slots)
+        e = max(err(kc, kc2), err(vc, vc2))
+        fn = lambda: kv_cache._store_kv_triton(k, v, kc, vc, slots)
+        peer = lambda: kv_cache.store_kv_ref(k, v, kc2, vc2, slots)
+        return "store_kv", f"T={t_} {hk}x{d} bs={bs}", 4 * t_ * hk * d * el + 8 * t_, fn, peer, e, "eager"
+
+    def paged(b, ctx, bs=16):
+        hk, d = s["hkv"], s["d"]
+        nblk = (ctx + bs - 1) // bs
+        kc = rnd(b * nblk, bs, hk, d)
+        vc = rnd(b * nblk, bs, hk, d)
+        bt = torch.randperm(b * nblk, generator=g).to(torch.int32).view(b, nblk).to(dev)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        # the same keys/values, dense [B, Hkv, L, D], for the SDPA peer
+        kd = kc[bt.long()].reshape(b, nblk * bs, hk, d)[:, :ctx].transpose(1, 2).contiguous()
+        vd = vc[bt.long()].reshape(b, nblk * bs, hk, d)[:, :ctx].transpose(1, 2).contiguous()
+        return kc, vc, bt, lens, kd, vd
+
+    def w_decode():
+        b, ctx, hq, hk, d = s["batch"], s["ctx"], s["hq"], s["hkv"], s["d"]
+        kc, vc, bt, lens, kd, vd = paged(b, ctx)
+        q = rnd(b, hq, d)
+        scale = d**-0.5
+        fn = lambda: attention._paged_decode_attention_triton(q, kc, vc, bt, lens, ctx, scale)
+        peer = lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale, enable_gqa=True)
+        e = err(fn(), peer()[:, :, 0])
+        variants["decode_attention"] = lambda cfg: (
+            lambda: attention._paged_decode_attention_triton(q, kc, vc, bt, lens, ctx, scale, config=cfg))
+        nbytes = 2 * b * ctx * hk * d * el + 2 * b * hq * d * el + b * ((ctx + 15) // 16) * 4
+        return ("paged_decode_attention", f"B={b} ctx={ctx} {hq}/{hk}x{d} bs=16", nbytes, fn, peer, e,
+                "torch SDPA, dense K/V")
+
+    def w_prefill():
+        n, L, hq, hk, d = s["pre_seqs"], s["pre_len"], s["hq"], s["hkv"], s["d"]
+        kc, vc, bt, lens, kd, vd = paged(n, L)
+        q = rnd(n * L, hq, d)
+        cu = torch.arange(0, n * L + 1, L, dtype=torch.int32, device=dev)
+        scale = d**-0.5
+        fn = lambda: attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, L, L, scale)
+        variants["prefill_attention"] = lambda cfg: (
+            lambda: attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, L, L, scale, config=cfg))
+        qd = q.view(n, L, hq, d).transpose(1, 2)
+        peer = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
+        e = err(fn(), peer().transpose(1, 2).reshape(n * L, hq, d))
+        flops = 4.0 * n * hq * d * L * (L + 1) / 2  # causal: QK^T and PV over the lower triangle
+        return ("prefill_attention", f"{n}x{L} tokens {hq}/{hk}x{d} causal", flops, fn, peer, e,
+                "torch SDPA causal, dense K/V")
+
+    def w_sample():
+        b, v = s["sample_rows"], s["vocab"]
+        logits = rnd(b, v, dt=torch.float32, scale=3.0)
+        t = torch.full((b,), 0.8, device=dev)
+        k = torch.full((b,), 50, dtype=torch.int64, device=dev)
+        p = torch.full((b,), 0.9, device=dev)
+        m = torch.zeros(b, device=dev)
+        seeds = torch.arange(b, device=dev)
+        fn = lambda: sampling._sample_triton(logits, t, k, p, m, seeds)
+        peer = lambda: sampling.sample_ref(logits, t, k, p, m, seeds)
+        agree = float((fn() == peer()).float().mean())
+        return ("sample", f"[{b}, {v}] T=0.8 top_k=50 top_p=0.9", b * v * 4, fn, peer, 1.0 - agree,
+                "eager reference (full sort)")
+
+    return {
+        "rms_norm": w_rms,
+        "add_rms_norm": w_add_rms,
+        "rotary": w_rope,
+        "silu_and_mul": w_act("silu"),
+        "gelu_and_mul": w_act("gelu"),
+        "store_kv": w_store,
+        "decode_attention": w_decode,
+        "prefill_attention": w_prefill,
+        "sample": w_sample,
+    }, timed, variants
+
+
+# launch-configuration variants timed by --sweep (overrides of the dispatcher's pick)
+SWEEPS = {
+    "decode_attention": [dict(BLOCK_N=n, num_stages=st) for n in (32, 64, 128) for st in (2, 3)]
+    + [dict(NUM_SPLITS=1), dict(NUM_SPLITS=4), dict(NUM_SPLITS=8), dict(num_warps=8)],
+    "prefill_attention": [dict(BLOCK_N=n, num_stages=st) for n in (64, 128) for st in (2, 3)]
+    + [dict(BLOCK_M=64, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)],
+}
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def _ceilings(cuda: bool, bench, rep_ms: float) -> dict:
+    import torch
+
+    if not cuda:
+        return dict(copy_GBps=None, matmul_TFLOPs=None, note="CPU: no ceilings")
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), rep_ms)
+    copy = 2 * n / (t * 1e-3) / 1e9
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    tm = bench(lambda: a @ b, rep_ms)
+    mm = 2 * m**3 / (tm * 1e-3) / 1e12
+    return dict(copy_GBps=round(copy, 1), matmul_TFLOPs=round(mm, 1))
+
+
+def _machine(cuda: bool) -> dict:
+    import torch
+    import triton
+
+    info = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                host=platform.node(), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    if cuda:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, sms=p.multi_processor_count, memory_GiB=round(p.total_memory / 2**30, 1))
+    else:
+        info.update(device=f"CPU ({platform.processor() or platform.machine()}), Triton interpreter")
+    try:
+        root = Path(__file__).resolve().parents[2]
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                        text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def _compiled_kernels() -> list[dict]:
+    """Registers / spills / shared memory of every kernel compiled in this process (best effort:
+    the JIT cache's layout differs between triton versions)."""
+    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+
+    out = []
+    for mod in (activation, attention, kv_cache, norm, rope, sampling):
+        for name, fn in vars(mod).items():
+            caches = getattr(fn, "device_caches", None)
+            if not name.endswith("_kernel") or not caches:
+                continue
+            try:
+                for entry in caches.values():
+                    for ck in entry[0].values():
+                        md = ck.metadata
+                        out.append(dict(kernel=name, registers=getattr(ck, "n_regs", None),
+                                        spills=getattr(ck, "n_spills", None), shared=getattr(md, "shared", None),
+                                        num_warps=getattr(md, "num_warps", None),
+                                        num_stages=getattr(md, "num_stages", None)))
+            except Exception as exc:
+                out.append(dict(kernel=name, error=str(exc)[:200]))
+    return out
+
+
+def markdown(report: dict) -> str:
+    m, c = report["machine"], report["ceilings"]
+    lines = [
+        f"Kernel microbenchmarks on {m.get('device')} (torch {m['torch']}, triton {m['triton']}, "
+        f"commit {m.get('commit')}, {m['date']}), dtype {report['dtype']}, sizes {report['size']}.",
+        "",
+    ]
+    if c.get("copy_GBps"):
+        lines += [f"Measured ceilings: copy {c['copy_GBps']:.0f} GB/s (datasheet peak {H200_PEAK_GBPS:.0f}); "
+                  f"bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+    lines += [
+        "| op | shape | time (us) | achieved | of ceiling | of H200 peak | peer | peer (us) | speedup | max err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['op']} | | | error: {r['error']} | | | | | | |")
+            continue
+        peak = H200_PEAK_GBPS if r["metric"] == "GB/s" else H200_BF16_TFLOPS
+        frac = f"{100 * r['fraction_of_ceiling']:.0f}%" if r["fraction_of_ceiling"] else "-"
+        pt = f"{r['peer_time_us']:.1f}" if r["peer_time_us"] else "-"
+        sp = f"{r['speedup_vs_peer']:.2f}x" if r["speedup_vs_peer"] else "-"
+        e = f"{r['max_abs_err']:.2g}" if r["max_abs_err"] is not None else "-"
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['time_us']:.1f} | {r['value']:.3g} {r['metric']} | {frac} "
+            f"| {100 * r['value'] / peak:.0f}% | {r['peer']} | {pt} | {sp} | {e} |"
+        )
+    if report.get("sweep"):
+        lines += ["", "Launch-configuration sweep (overrides of the dispatcher's pick):", "",
+                  "| op | overrides | time (us) | vs default |", "| --- | --- | --- | --- |"]
+        for e in report["sweep"]:
+            if "error" in e:
+                lines.append(f"| {e['op']} | {e['config']} | error: {e['error']} | |")
+            else:
+                lines.append(f"| {e['op']} | {e['config']} | {e['time_us']:.1f} | {e['speedup_vs_default']:.2f}x |")
+    compiled = [c for c in report.get("compiled", []) if "error" not in c]
+    if compiled:
+        lines += ["", "Kernels compiled in this run:", "",
+                  "| kernel | warps | stages | registers | spills | shared (B) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for c in compiled:
+            lines.append(f"| `{c['kernel']}` | {c['num_warps']} | {c['num_stages']} | {c['registers']} "
+                         f"| {c['spills']} | {c['shared']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("bench kernels on CPU needs TRITON_INTERPRET=1 before triton is imported", file=sys.stderr)
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+    from tokenfab.kernels._launch import interpreting, patch_interpreter_bf16
+
+    if interpreting():
+        patch_interpreter_bf16()
+    size = args.size or ("realistic" if cuda else "tiny")
+    tiny = size == "tiny"
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bench = _bench_cuda if cuda else _bench_cpu
+    rep_ms = args.rep_ms if cuda else min(args.rep_ms, 50.0)
+    ceilings = _ceilings(cuda, bench, rep_ms)
+    if cuda:
+        torch.cuda.empty_cache()
+    workloads, timed, variants = _workloads(tiny, dev, dtype, rep_ms, bench, not args.no_peer)
+    sweep: list[dict] = []
+    wanted = list(workloads) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
+    results: list[dict] = []
+    report = dict(kind="kernels", size=size, dtype=str(dtype).removeprefix("torch."), machine=_machine(cuda),
+                  ceilings=ceilings, results=results, sweep=sweep, compiled=[])
+
+    def save() -> None:  # after every op, so a run cut short still leaves its results
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=1))
+
+    for name in wanted:
+        if name not in workloads:
+            print(f"unknown op {name!r}; choose from {', '.join(workloads)}", file=sys.stderr)
+            return 2
+        try:
+            op, shape, amount, fn, peer, e, peer_name = workloads[name]()
+            t_ms, tp_ms = timed(fn, peer)
+        except Exception as exc:  # report and go on: one broken kernel must not hide the others
+            results.append(dict(op=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+            print(f"{name}: {results[-1]['error']}", file=sys.stderr)
+            if cuda:
+                torch.cuda.empty_cache()
+            save()
+            continue
+        flops = name == "prefill_attention"
+        value = amount / (t_ms * 1e-3) / (1e12 if flops else 1e9)
+        ceiling = ceilings.get("matmul_TFLOPs" if flops else "copy_GBps")
+        row = Row(
+            op=op, shape=shape, dtype=str(dtype).removeprefix("torch."), metric="TFLOP/s" if flops else "GB/s",
+            time_us=t_ms * 1e3, value=value, ceiling=ceiling or 0.0,
+            fraction_of_ceiling=(value / ceiling) if ceiling else 0.0,
+            peer=peer_name, peer_time_us=tp_ms * 1e3 if tp_ms else None,
+            speedup_vs_peer=(tp_ms / t_ms) if tp_ms else None, max_abs_err=e,
+            notes="sample: max_abs_err is the fraction of rows drawing another token" if name == "sample" else "",
+        )
+        results.append(asdict(row))
+        print(f"{op:24s} {shape:40s} {t_ms * 1e3:10.1f} us  {value:8.3g} {row.metric}"
+              + (f"  {tp_ms / t_ms:5.2f}x vs {peer_name}" if tp_ms else ""), flush=True)
+        if args.sweep and cuda and name in variants:
+            for cfg in SWEEPS.get(name, []):
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                    sweep.append(dict(op=op, config=cfg, error="skipped: time budget spent"))
+                    continue
+                try:
+                    tv = bench(variants[name](cfg), rep_ms / 2)
+                    entry = dict(op=op, config=cfg, time_us=tv * 1e3, speedup_vs_default=t_ms / tv,
+                                 value=amount / (tv * 1e-3) / (1e12 if flops else 1e9))
+                except Exception as exc:
+                    entry = dict(op=op, config=cfg, error=f"{type(exc).__name__}: {exc}"[:200])
+                sweep.append(entry)
+                print(f"    sweep {cfg}: " + (f"{entry['time_us']:.1f} us ({entry['speedup_vs_default']:.2f}x)"
+                                               if "error" not in entry else entry["error"]), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+        save()
+    report["compiled"] = _compiled_kernels()
+    save()
+    md = markdown(report)
+    print()
+    print(md)
+    if args.md_path:
+        Path(args.md_path).write_text(md)
+    return 0 if all("error" not in r for r in results) else 1
