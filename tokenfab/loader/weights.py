@@ -29,10 +29,13 @@ def _target(model: nn.Module, name: str) -> tuple[str, int | None]:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> None:
     """Load every parameter of ``model`` from ``weights``; a missing or misshapen tensor is a
     ModelLoadError naming ``source``. Models may rename checkpoint entries first with a
-    ``remap_checkpoint_name(name) -> str | None`` method (None: skip the entry)."""
+    ``remap_checkpoint_name(name) -> str | None`` method (None: skip the entry), and take
+    entries themselves with ``load_checkpoint_tensor(name, tensor) -> list[str] | None`` (None:
+    not taken; else the parameters that are now complete; ValueError: a bad tensor)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     remap = getattr(model, "remap_checkpoint_name", None)
+    take = getattr(model, "load_checkpoint_tensor", None)
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
@@ -40,6 +43,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if remap is not None:
             ckpt_name = remap(ckpt_name)
             if ckpt_name is None:
+                continue
+        if take is not None:
+            try:
+                done = take(ckpt_name, tensor)
+            except ValueError as e:
+                raise ModelLoadError(source, str(e)) from e
+            if done is not None:
+                loaded.update(done)
                 continue
         name, shard = _target(model, ckpt_name)
         if name not in params:

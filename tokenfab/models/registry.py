@@ -9,6 +9,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("tokenfab.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("tokenfab.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("tokenfab.models.qwen3_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenfab.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GptOssForCausalLM": ("tokenfab.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

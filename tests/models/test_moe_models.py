@@ -1,0 +1,156 @@
+"""MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS): logits equal transformers' (fp32) at prefill and
+over 5 decode steps through the paged cache; greedy generations equal alone and batched; GPT-OSS
+MXFP4 expert weights dequantized at load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.moe_tiny_models import mxfp4_pack, mxfp4_unpack, tiny_moe_config
+from tests.tiny_models import save_tiny_model
+from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.layers.moe import FusedMoE
+
+CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
+
+
+def _engine(path) -> LLMEngine:
+    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_model(tiny_moe_config(request.param), path)
+    return request.param, hf, _engine(path)
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _run_capturing_logits(engine: LLMEngine, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    step_logits: list[torch.Tensor] = []
+    orig = engine.runner.execute
+
+    def spy(batch):
+        out = orig(batch)
+        step_logits.append(out.clone())
+        return out
+
+    engine.runner.execute = spy
+    try:
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+    finally:
+        engine.runner.execute = orig
+    return outs[-1].outputs[0].token_ids, step_logits
+
+
+def test_model_structure(tiny):
+    """The dense/MoE mix and the sliding/full alternation follow the config."""
+    case, _, engine = tiny
+    layers = engine.runner.model.model.layers
+    is_moe = [isinstance(layer.mlp, FusedMoE) for layer in layers]
+    windows = [layer.self_attn.attn.sliding_window for layer in layers]
+    expected_moe = {"qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False]}.get(case, [True] * len(layers))
+    assert is_moe == expected_moe
+    if case == "gpt_oss":
+        assert windows == [4, 0]
+        assert all(layer.self_attn.attn.sinks is not None for layer in layers)
+    if case == "mixtral":
+        assert windows == [7, 7]
+    if case == "qwen2_moe":
+        assert layers[1].mlp.shared_experts is not None and layers[1].mlp.shared_expert_gate is not None
+
+
+def test_prefill_and_decode_logits_match(tiny):
+    _, hf, engine = tiny
+    for prompt in PROMPTS:
+        generated, step_logits = _run_capturing_logits(engine, list(prompt), 6)
+        assert len(generated) == 6
+        full = list(prompt) + generated
+        ref = _hf_logits(hf, full)
+        assert len(step_logits) == 6  # the prefill, then 5 decode steps
+        for s, logits in enumerate(step_logits):
+            pos = len(prompt) - 1 + s
+            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
+            assert int(ref[pos].argmax()) == full[pos + 1]
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_batched_equals_alone(tiny):
+    _, _, engine = tiny
+    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(batch):
+        for i, p in enumerate(batch):
+            engine.add_request(f"b{i}-{len(batch)}", p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        return [done[f"b{i}-{len(batch)}"] for i in range(len(batch))]
+
+    alone = [run([p])[0] for p in prompts]
+    assert run(prompts) == alone
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path):
+    """Expert matrices stored as MXFP4 blocks/scales (OpenAI's layout) load to the values they encode."""
+    from safetensors.torch import load_file, save_file
+
+    config = tiny_moe_config("gpt_oss")
+    plain = tmp_path / "plain"
+    hf = save_tiny_model(config, plain)
+    tensors = load_file(str(plain / "model.safetensors"))
+    packed = {}
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = mxfp4_pack(t.transpose(1, 2))  # [E, out, in] rows, as OpenAI stores them
+                packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+                # the transformers model gets exactly the values the blocks encode
+                hf.get_parameter(name).copy_(mxfp4_unpack(blocks, scales).transpose(1, 2))
+            else:
+                packed[name] = t
+    q = tmp_path / "mxfp4"
+    q.mkdir()
+    save_file(packed, str(q / "model.safetensors"))
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                      "model.layers.*.mlp.router"]}
+    (q / "config.json").write_text(json.dumps(cfg))
+    engine = _engine(q)
+    prompt = PROMPTS[0]
+    generated, step_logits = _run_capturing_logits(engine, list(prompt), 2)
+    ref = _hf_logits(hf, list(prompt) + generated)
+    for s, logits in enumerate(step_logits):
+        torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
+
+
+def test_gpt_oss_through_triton_kernels(tmp_path, monkeypatch):
+    """The whole engine on the Triton kernels (interpreter on CPU): fused MoE with biases and the
+    clamped SwiGLU, attention with sinks and a sliding window; logits still equal transformers'."""
+    from tokenfab.kernels._launch import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("triton was imported without the interpreter")
+    hf = save_tiny_model(tiny_moe_config("gpt_oss"), tmp_path)
+    engine = _engine(tmp_path)
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    prompt = list(range(30, 52))
+    generated, step_logits = _run_capturing_logits(engine, prompt, 3)
+    ref = _hf_logits(hf, prompt + generated)
+    for s, logits in enumerate(step_logits):
+        torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
