@@ -153,12 +153,17 @@ def run(args: argparse.Namespace) -> int:
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model_dir(args.shape, dtype, Path(tmp) / args.shape)
-        results = []
+        results: list[dict] = []
+
+        def keep(r: dict) -> None:  # save after each engine, so a time limit loses only the rest
+            results.append(r)
+            write_json(args.json, {"benchmark": "engine", "partial": True, "shape": args.shape, "results": results})
+
         if device.type == "cuda":
-            results.append(_tokenfab(path, args, prompts, eager=False))
-        results.append(_tokenfab(path, args, prompts, eager=True))
+            keep(_tokenfab(path, args, prompts, eager=False))
+        keep(_tokenfab(path, args, prompts, eager=True))
         if not args.skip_hf:
-            results.append(_transformers(path, args, prompts, device, dtype))
+            keep(_transformers(path, args, prompts, device, dtype))
     ours = results[0]
     peer = results[-1] if not args.skip_hf else None
     ratios = {}
