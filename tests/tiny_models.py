@@ -41,7 +41,7 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Any:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():  # larger than the default init, so errors are visible
             p.normal_(0, 0.2)

@@ -61,9 +61,9 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], path, b
 
     if path.suffix == ".gguf":
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
     else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     hf = hf.to(device).eval()
     pad = 0
     t0 = time.perf_counter()
