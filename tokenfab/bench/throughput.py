@@ -55,15 +55,17 @@ def run_tokenfab(args: argparse.Namespace) -> tuple[dict, list[list[int]], objec
            "total_tok_s": (n_out + sum(map(len, prompts))) / dt}
     return res, prompts, llm
 
-def run_transformers(args: argparse.Namespace, prompts: list[list[int]], path, batch_size: int, device) -> dict:
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]], path, batch_size: int, device,
+                     dtype) -> dict:
+    """transformers generate in the same dtype as our engine ran."""
     import torch
     import transformers
 
     if path.suffix == ".gguf":
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     hf = hf.to(device).eval()
     pad = 0
     t0 = time.perf_counter()
@@ -93,10 +95,11 @@ def run(args: argparse.Namespace) -> int:
     ours, prompts, llm = run_tokenfab(args)
     engine = llm.engine
     device, model_name, dtype = engine.device, engine.model_name, str(engine.dtype)
+    torch_dtype = engine.dtype
     del llm, engine
     results = [ours]
     for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]:
-        results.append(run_transformers(args, prompts, path, bs, device))
+        results.append(run_transformers(args, prompts, path, bs, device, torch_dtype))
     peers = results[1:]
     best = max(peers, key=lambda r: r["output_tok_s"]) if peers else None
     ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
