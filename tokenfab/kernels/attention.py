@@ -55,13 +55,21 @@ def paged_attention_ref(
     """q: [T, Hq, D] -> out [T, Hq, D]. Batched over all sequences, no loop.
 
     The pages are gathered into one padded [B, L, Hkv, D] block; queries are scattered
-    into [B, max_query_len, Hq, D]; one masked attention runs over the whole batch.
+    into [B, max_query_len, Hq, D]; one masked attention runs over the whole batch. In a
+    mixed step the decodes (one query each) run as their own batch, so that they are not
+    padded to the length of the step's longest prefill chunk.
     """
     t, hq, d = q.shape
     b = context_lens.shape[0]
     dv = v_cache.shape[-1]
     if t == 0 or b == 0:
         return q.new_empty(t, hq, dv)
+    if max_query_len > 1:
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        is_decode = q_lens == 1
+        if bool(is_decode.any()) and not bool(is_decode.all()):
+            return _split_decodes(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens,
+                                  is_decode, scale, sliding_window, softcap, sinks)
     hkv = k_cache.shape[2]
     k = _gather_kv(k_cache, block_tables, max_context_len)
     v = _gather_kv(v_cache, block_tables, max_context_len)
@@ -109,6 +117,26 @@ def paged_attention_ref(
     if max_query_len == 1:
         return out.reshape(b, hq, dv)
     return out[seq_idx, tok_idx]
+
+
+def _split_decodes(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, is_decode, scale,
+                   sliding_window, softcap, sinks) -> torch.Tensor:
+    """paged_attention_ref over the decode rows and the prefill rows of a mixed batch separately."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    for rows in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)):
+        lens = q_lens[rows]
+        cu = torch.zeros(rows.numel() + 1, dtype=cu_seqlens_q.dtype, device=q.device)
+        cu[1:] = lens.cumsum(0)
+        # the tokens of the chosen sequences, in order
+        seq_of_token = torch.repeat_interleave(torch.arange(rows.numel(), device=q.device), lens)
+        tokens = cu_seqlens_q[:-1].long()[rows][seq_of_token] + (
+            torch.arange(seq_of_token.numel(), device=q.device) - cu[:-1].long()[seq_of_token])
+        ctx = context_lens[rows]
+        out[tokens] = paged_attention_ref(
+            q[tokens], k_cache, v_cache, block_tables[rows], cu, ctx, int(lens.max()), int(ctx.max()), scale,
+            sliding_window, softcap, sinks,
+        )
+    return out
 
 
 def paged_decode_attention_ref(
