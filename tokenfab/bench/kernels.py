@@ -231,7 +231,31 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
         return ("sample", f"[{b}, {v}] T=0.8 top_k=50 top_p=0.9", b * v * 4, fn, peer, 1.0 - agree,
                 "eager reference (full sort)")
 
+    def w_moe(tokens: int):
+        """Fused MoE at a Qwen3-30B-A3B layer shape: 128 experts, top-8, hidden 2048, expert 768."""
+        from tokenfab.kernels import moe
+
+        def make():
+            e, k, hid, it = (8, 2, 64, 32) if tiny else (128, 8, 2048, 768)
+            n = min(tokens, 16) if tiny else tokens
+            x = rnd(n, hid)
+            w13 = rnd(e, 2 * it, hid, scale=hid**-0.5)
+            w2 = rnd(e, hid, it, scale=it**-0.5)
+            logits = torch.randn(n, e, generator=g).to(dev)
+            weights, ids = moe.topk_softmax_ref(logits, k, True)
+            fn = lambda: moe._fused_experts_triton(x, w13, w2, weights, ids)
+            peer = lambda: moe.fused_experts_ref(x, w13, w2, weights, ids)
+            flops = 6.0 * n * k * hid * it  # gate+up (2 x H x 2I) and down (2 x I x H) per routed pair
+            return (f"fused_moe T={n}", f"E={e} top-{k} H={hid} I={it}", flops, fn, peer, err(fn(), peer()),
+                    "torch per-expert loop (reference)")
+
+        return make
+
     return {
+        "fused_moe_1": w_moe(1),
+        "fused_moe_64": w_moe(64),
+        "fused_moe_1024": w_moe(1024),
+        "fused_moe_8192": w_moe(8192),
         "rms_norm": w_rms,
         "add_rms_norm": w_add_rms,
         "rotary": w_rope,
@@ -412,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
             save()
             continue
-        flops = name == "prefill_attention"
+        flops = name == "prefill_attention" or name.startswith("fused_moe")
         value = amount / (t_ms * 1e-3) / (1e12 if flops else 1e9)
         ceiling = ceilings.get("matmul_TFLOPs" if flops else "copy_GBps")
         row = Row(
