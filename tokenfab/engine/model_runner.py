@@ -1,10 +1,14 @@
 """Turns a scheduled batch into one ForwardBatch, runs the model, returns logits.
 
 Owns the KV cache memory: one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]
-whose per-layer slices are bound to the model's Attention modules.
+whose per-layer slices are bound to the model's Attention modules; for models whose cache-owning
+modules declare ``kv_cache_spec()`` instead (MLA), one tensor [num_layers, num_blocks, block_size,
+*spec] whose slices are bound to ``module.kv_cache``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -18,10 +22,19 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def latent_cache_layers(model: nn.Module) -> list[nn.Module]:
+    """Modules that own one per-token cache entry of their own layout (MLA's latent + rope key):
+    they declare ``kv_cache_spec() -> per-token shape`` and get ``module.kv_cache`` bound."""
+    return [
+        m for m in model.modules() if callable(getattr(m, "kv_cache_spec", None)) and not isinstance(m, Attention)
+    ]
+
+
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes across all layers."""
+    """Bytes of K and V (or of the latent cache entries) one token takes across all layers."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return sum(2 * a.num_kv_heads * a.head_dim * elem for a in attention_layers(model))
+    latent = sum(math.prod(m.kv_cache_spec()) * elem for m in latent_cache_layers(model))
+    return latent + sum(2 * a.num_kv_heads * a.head_dim * elem for a in attention_layers(model))
 
 
 class ModelRunner:
@@ -39,16 +52,31 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         layers = attention_layers(model)
-        shapes = {(a.num_kv_heads, a.head_dim) for a in layers}
-        if len(shapes) != 1:
-            raise NotImplementedError("layers with different KV shapes need per-layer caches")
-        hkv, hd = shapes.pop()
+        latent = latent_cache_layers(model)
+        if latent and not layers:
+            self._bind_latent_cache(latent)
+        else:
+            shapes = {(a.num_kv_heads, a.head_dim) for a in layers}
+            if len(shapes) != 1:
+                raise NotImplementedError("layers with different KV shapes need per-layer caches")
+            hkv, hd = shapes.pop()
+            self.kv_cache = torch.zeros(
+                len(layers), 2, num_blocks, block_size, hkv, hd, dtype=dtype, device=device
+            )
+            for i, layer in enumerate(layers):
+                layer.k_cache = self.kv_cache[i, 0]
+                layer.v_cache = self.kv_cache[i, 1]
+
+    def _bind_latent_cache(self, modules: list[nn.Module]) -> None:
+        """MLA: one tensor [num_layers, num_blocks, block_size, *per-token shape], sliced per layer."""
+        specs = {tuple(m.kv_cache_spec()) for m in modules}
+        if len(specs) != 1:
+            raise NotImplementedError("layers with different cache shapes need per-layer caches")
         self.kv_cache = torch.zeros(
-            len(layers), 2, num_blocks, block_size, hkv, hd, dtype=dtype, device=device
+            len(modules), self.num_blocks, self.block_size, *specs.pop(), dtype=self.dtype, device=self.device
         )
-        for i, layer in enumerate(layers):
-            layer.k_cache = self.kv_cache[i, 0]
-            layer.v_cache = self.kv_cache[i, 1]
+        for i, m in enumerate(modules):
+            m.kv_cache = self.kv_cache[i]
 
     def prepare(
         self, seqs: list[Sequence], num_new_tokens: list[int], sample_mask: list[bool]

@@ -13,6 +13,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("tokenfab.models.qwen3_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("tokenfab.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("tokenfab.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV3ForCausalLM": ("tokenfab.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    # Kimi K2.5 (multimodal wrapper around a DeepSeek-V3 text model): the text part only
+    "KimiK25ForConditionalGeneration": ("tokenfab.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Kimi_K25ForConditionalGeneration": ("tokenfab.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("tokenfab.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("tokenfab.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
 }
 
 

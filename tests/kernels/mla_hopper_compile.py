@@ -1,0 +1,143 @@
+"""Compile the MLA and DSA Triton kernels for Hopper (sm_90) without a GPU, at the dispatcher's configs.
+
+Reuses the kernel suite's compile-only launcher (``tests/kernels/hopper_compile.py``: each
+``kernel[grid](...)`` launch is compiled for ``GPUTarget("cuda", 90, 32)`` with the specialisation a
+real launch would get, and ``cuobjdump`` reads registers, shared/local memory and the SASS).
+Workloads: DeepSeek-V3 sizes (128 heads, latent 512 + rope 64, bf16) for decode at batch 1 and 64
+(split-KV + reduce), a mixed prefill batch through the absorbed form, a tensor-parallel slice
+(16 heads), and fp32; DeepSeek Sparse Attention's indexer scores (64 heads of 128, V3.2) and sparse
+MLA over 2048 selected keys.
+
+    TRITON_INTERPRET=0 python tests/kernels/mla_hopper_compile.py --json out.json --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.kernels.hopper_compile import _Compiler, markdown  # noqa: E402
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+
+def _mla(q_lens: list[int], ctx: int, h: int, r: int, rope: int, dtype: torch.dtype, bs: int = 64) -> None:
+    """Launch MLA attention on CPU tensors (contents unused: nothing runs, only shapes matter)."""
+    from tokenfab.kernels import mla
+
+    b = len(q_lens)
+    nblk = (ctx + bs - 1) // bs
+    cache = torch.empty(b * nblk + 1, bs, 1, r + rope, dtype=dtype)
+    bt = torch.arange(b * nblk, dtype=torch.int32).view(b, nblk)
+    q = torch.empty(sum(q_lens), h, r + rope, dtype=dtype)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    lens = torch.full((b,), ctx, dtype=torch.int32)
+    mla._mla_attention_triton(q, cache, bt, cu, lens, max(q_lens), ctx, 0.1, r)
+
+
+def _dsa_index(t: int, ctx: int, hi: int, di: int, dtype: torch.dtype, bs: int = 64) -> None:
+    from tokenfab.kernels import dsa
+
+    nblk = (ctx + bs - 1) // bs
+    cache = torch.empty(nblk + 1, bs, 1, 576 + di, dtype=dtype)
+    bt = torch.arange(nblk, dtype=torch.int32).view(1, nblk)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    dsa._dsa_index_scores_triton(torch.empty(t, hi, di, dtype=dtype), torch.empty(t, hi), cache, bt, cu,
+                                 torch.tensor([ctx], dtype=torch.int32), t, ctx, 576)
+
+
+def _dsa_topk(t: int, n: int, k: int) -> None:
+    from tokenfab.kernels import dsa
+
+    dsa._dsa_topk_triton(torch.empty(t, n), k)
+
+
+def _dsa_sparse(b: int, h: int, topk: int, dtype: torch.dtype, r: int = 512, rope: int = 64, bs: int = 64) -> None:
+    from tokenfab.kernels import dsa
+
+    ctx = 4096
+    nblk = ctx // bs
+    cache = torch.empty(b * nblk + 1, bs, 1, r + rope + 128, dtype=dtype)
+    bt = torch.arange(b * nblk, dtype=torch.int32).view(b, nblk)
+    cu = torch.arange(b + 1, dtype=torch.int32)
+    idx = torch.zeros(b, topk, dtype=torch.int32)
+    dsa._dsa_sparse_attention_triton(torch.empty(b, h, r + rope, dtype=dtype), cache, bt, cu,
+                                     torch.full((b,), ctx, dtype=torch.int32), idx, 0.1, r)
+
+
+def _workloads() -> list[tuple[str, Callable[[], None]]]:
+    return [
+        ("dsa index bf16 T=8 Hi64 d128 (V3.2)", lambda: _dsa_index(8, 4096, 64, 128, BF16)),
+        ("dsa index bf16 T=8 Hi32 d128 (GLM-5)", lambda: _dsa_index(8, 4096, 32, 128, BF16)),
+        ("dsa index fp32 T=8 Hi16 d32", lambda: _dsa_index(8, 300, 16, 32, F32)),
+        ("dsa topk fp32 T=64 L=4096 k=2048", lambda: _dsa_topk(64, 4096, 2048)),
+        ("dsa sparse bf16 B64 H128 top-2048", lambda: _dsa_sparse(64, 128, 2048, BF16)),
+        ("dsa sparse bf16 B8 H16 top-2048", lambda: _dsa_sparse(8, 16, 2048, BF16)),
+        ("dsa sparse fp32 B8 H4 top-64", lambda: _dsa_sparse(8, 4, 64, F32, 32, 16)),
+        ("mla decode bf16 B64 H128 r512+64 (DeepSeek-V3)", lambda: _mla([1] * 64, 256, 128, 512, 64, BF16)),
+        ("mla decode bf16 B1 H128 r512+64 (splits)", lambda: _mla([1], 256, 128, 512, 64, BF16)),
+        ("mla decode bf16 B8 H16 r512+64 (TP8 slice)", lambda: _mla([1] * 8, 256, 16, 512, 64, BF16)),
+        ("mla mixed bf16 T=300 H128 r512+64", lambda: _mla([1, 1, 298], 512, 128, 512, 64, BF16)),
+        ("mla decode fp32 B8 H4 r32+16", lambda: _mla([1] * 8, 256, 4, 32, 16, F32)),
+    ]
+
+
+def compile_all(only: str | None = None) -> list[dict]:
+    from triton.runtime.jit import JITFunction
+
+    from tokenfab.kernels import dsa, mla
+
+    results: list[dict] = []
+    current = {"label": ""}
+    saved = []
+    for mod in (mla, dsa):
+        saved.append((mod, "check_device", mod.check_device))
+        mod.check_device = lambda t: None
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Compiler(obj, results, lambda: current["label"]))
+    try:
+        for label, fn in _workloads():
+            if only and only not in label:
+                continue
+            current["label"] = label
+            fn()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+        print("set TRITON_INTERPRET=0: the Hopper compile needs real @triton.jit functions", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", action="store_true", help="print the table")
+    ap.add_argument("--only", help="compile only workloads whose label contains this")
+    args = ap.parse_args(argv)
+    results = compile_all(args.only)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,369 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent cache, absorbed form.
+
+The cache holds, per token, one "head" of ``kv_lora_rank + rope_dim`` values: the normalized
+latent ``c`` (rank r) followed by the rotated rope key ``k_pe``. Keys and values of every head are
+low-rank images of the latent, ``k_h = [W_UK[h] c ; k_pe]`` and ``v_h = W_UV[h] c``, so with the
+query projected into the latent space (``q_lat_h = W_UK[h]^T q_nope_h``, done by the layer)
+
+    logits[h, j] = scale * (q_lat_h . c_j + q_pe_h . k_pe_j)
+    o_lat[h]     = sum_j softmax(logits[h])_j c_j                     [r]
+
+and the layer maps ``o_lat`` through ``W_UV`` to the head's output. This file computes the middle
+step: multi-query attention whose one key is the cache row (``r + rope_dim`` values) and whose
+value is its first ``r`` values (a row may carry more after them, e.g. DSA's index key; they are
+not read). The queries ``q`` are ``[T, H, r + rope_dim]``: ``q_lat`` then ``q_pe``. The batch
+is the engine's flat mixed batch (``ForwardBatch``): sequence ``b`` owns query tokens
+``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, has ``context_lens[b]`` keys after this step, and its i-th
+query token sits at position ``context_lens[b] - q_len[b] + i`` (causal). The absorbed form is
+exact for prefill tokens too; it reads the whole prefix once per query token.
+
+Triton: one program per (head block, query token, KV split) runs an online softmax over its share
+of the token's keys, reading each latent page once for both products (q.c and p.c); with several
+splits a reduce kernel merges the partial softmaxes. Accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device, dot_precision, next_pow2, num_sms
+import triton
+import triton.language as tl
+# isort: on
+
+from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.attention import LOG2E, MAX_DECODE_SPLITS, _decode_reduce_kernel, _gather_kv
+
+
+def _flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, 1, D] (the runner's layout) or [num_blocks, block_size, D] -> the latter."""
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"MLA cache has one head per token, got shape {tuple(kv_cache.shape)}")
+        return kv_cache[:, :, 0]
+    if kv_cache.dim() != 3:
+        raise ValueError(f"MLA cache must be [blocks, block_size, (1,) D], got {tuple(kv_cache.shape)}")
+    return kv_cache
+
+
+# The references process long prefills in query chunks of about this many score elements (fp32).
+REF_CHUNK_ELEMENTS = 1 << 26
+
+
+def mla_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """q [T, H, r + rope] -> o_lat [T, H, r]. Batched over all sequences, no Python loop.
+
+    The pages are gathered into one padded [B, L, D] block; queries are scattered into
+    [B, max_query_len * H, D] (heads folded into rows: one key head serves all of them); one
+    masked softmax over the whole batch, in fp32.
+    """
+    t, h, d = q.shape
+    b = context_lens.shape[0]
+    r = kv_lora_rank
+    if t == 0 or b == 0:
+        return q.new_empty(t, h, r)
+    cache = _flat_cache(kv_cache)
+    c = _gather_kv(cache, block_tables, max_context_len)[..., :d].float()  # [B, L, D]
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    ctx = context_lens.long()
+    dev = q.device
+    if max_query_len == 1:
+        q_pad = q.view(b, 1, h, d)
+        seq_idx = tok_idx = None
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)
+        tok_idx = torch.arange(t, device=dev) - cu_seqlens_q[:-1].long()[seq_idx]
+        q_pad = q.new_zeros(b, max_query_len, h, d)
+        q_pad[seq_idx, tok_idx] = q
+    i = torch.arange(max_query_len, device=dev)
+    j = torch.arange(max_context_len, device=dev)
+    qpos = (ctx - q_lens)[:, None] + i[None, :]  # [B, Q]
+    mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+    # Padded query rows (i >= q_len) see key 0 so the softmax stays finite; they are dropped.
+    mask |= (i[None, :, None] >= q_lens[:, None, None]) & (j[None, None, :] == 0)
+    out = q.new_empty(b, max_query_len, h, r)
+    # query positions in chunks, so the [B, chunk * H, L] logits stay bounded on long prefills
+    step = max(1, REF_CHUNK_ELEMENTS // max(1, b * h * max_context_len))
+    for q0 in range(0, max_query_len, step):
+        q1 = min(q0 + step, max_query_len)
+        qc = q_pad[:, q0:q1].float().reshape(b, (q1 - q0) * h, d)
+        logits = (torch.matmul(qc, c.transpose(1, 2)) * scale).view(b, q1 - q0, h, -1)
+        logits = logits.masked_fill(~mask[:, q0:q1, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(b, (q1 - q0) * h, -1)
+        out[:, q0:q1] = torch.matmul(probs, c[..., :r]).view(b, q1 - q0, h, r).to(q.dtype)
+    if max_query_len == 1:
+        return out.view(b, h, r)
+    return out[seq_idx, tok_idx]
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, c_ptr, bt_ptr, tok_seq_ptr, cu_ptr, ctx_ptr,
+    out_ptr, part_o_ptr, part_ml_ptr,
+    scale_log2, n_heads, kv_rank, rope_dim, block_size: tl.constexpr,
+    sqt, sqh, scb, sct, sbt, sot, soh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Program (head block, query token, split): BLOCK_H heads against one share of the token's keys.
+
+    The token's sequence, query offset and key count are read on the device (DECODE_ONLY: token
+    t is sequence t's only query), so the grid depends only on T, H and NUM_SPLITS (CUDA-graph
+    safe). Each latent tile [BLOCK_N, r] is loaded once and used for both q.c and p.c.
+    """
+    hb = tl.program_id(0)
+    t = tl.program_id(1)
+    sp = tl.program_id(2)
+    t64 = t.to(tl.int64)
+    if DECODE_ONLY:
+        b = t
+        kv_end = tl.load(ctx_ptr + b)
+    else:
+        b = tl.load(tok_seq_ptr + t)
+        q_start = tl.load(cu_ptr + b)
+        q_len = tl.load(cu_ptr + b + 1) - q_start
+        kv_end = tl.load(ctx_ptr + b) - q_len + (t - q_start) + 1
+    per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(start + per, kv_end)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < n_heads
+    r = tl.arange(0, BLOCK_R)
+    pe = tl.arange(0, BLOCK_P)
+    r_ok = r < kv_rank
+    pe_ok = pe < rope_dim
+    q_rows = q_ptr + t64 * sqt + heads.to(tl.int64) * sqh
+    q_lat = tl.load(q_rows[:, None] + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_pe = tl.load(q_rows[:, None] + kv_rank + pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        page = tl.load(bt_row + j // block_size, mask=j_ok, other=0).to(tl.int64)
+        rows = c_ptr + page * scb + (j % block_size).to(tl.int64) * sct
+        c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
+        kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
+        s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
+        s = tl.where(j_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & r_ok[None, :],
+        )
+    else:
+        # partials in the layout of attention's reduce kernel: o [T, H, S, BLOCK_R], (max, sum) [T, H, S, 2]
+        row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+
+def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, num_sms: int,
+               dtype: torch.dtype = torch.bfloat16, decode_only: bool = True) -> dict:
+    """Launch configuration of MLA attention (also used by the compile test).
+
+    BLOCK_H heads share each latent tile; programs of the same token and split are adjacent in
+    the grid (head block is axis 0), so the H / BLOCK_H programs reading the same pages run
+    together and the re-reads hit L2. At DeepSeek-V3 sizes (128 heads, r = 512) decode is nearly
+    compute-bound (about 2.2 kFLOP per key and head against 1.15 kB per key), so 16-bit decode
+    with 64+ heads takes 64-head tiles, which Hopper runs on warp-group MMA (HGMMA) and which
+    halve the L2 re-reads to two per page; that config uses ~254 registers per thread (no spills
+    at sm_90, checked by the compile test). Mixed batches (the per-token prefill path, a few more
+    live registers) take 32-head tiles; small head counts 16. The split count depends only on T,
+    H and the device (never on context lengths), so one CUDA graph per batch size serves every step.
+    """
+    fp32 = dtype == torch.float32
+    if fp32:
+        block_h, block_n, warps = 16, 16, 4
+    elif num_heads >= 64 and kv_lora_rank > 128:
+        block_h, block_n, warps = (64, 16, 8) if decode_only else (32, 32, 8)
+    else:
+        block_h, block_n, warps = 16, 32, 4 if kv_lora_rank <= 128 else 8
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = 1
+    while num_tokens * head_blocks * splits < 4 * num_sms and splits < MAX_DECODE_SPLITS:
+        splits *= 2
+    return dict(
+        NUM_SPLITS=splits,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, next_pow2(kv_lora_rank)),
+        BLOCK_P=max(16, next_pow2(rope_dim)),
+        num_warps=warps,
+        num_stages=2,
+    )
+
+
+def _mla_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    kv_lora_rank: int,
+    *,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """q [T, H, r + rope] -> [T, H, r]; ``max_context_len`` is not needed (read on the device).
+
+    ``num_splits`` (a power of two) overrides the configured split count (tests use it to exercise
+    the split/reduce path cheaply in the interpreter); ``config`` overrides ``mla_config`` entries.
+    """
+    t, h, d = q.shape
+    r = kv_lora_rank
+    nseq = context_lens.shape[0]
+    out = q.new_empty(t, h, r)
+    if t == 0 or nseq == 0:
+        return out
+    cache = _flat_cache(kv_cache)
+    if d <= r:
+        raise ValueError(f"q has {d} features per head, not kv_lora_rank {r} + a rope part")
+    if cache.shape[-1] < d:
+        raise ValueError(f"cache rows have {cache.shape[-1]} values, q has {d}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    check_device(q)
+    if cache.stride(-1) != 1:
+        raise ValueError("mla_attention: the cache's last dim must be contiguous")
+    decode_only = max_query_len == 1 and t == nseq
+    cfg = mla_config(t, h, r, d - r, num_sms(q.device), cache.dtype, decode_only)
+    cfg.update(config or {})
+    if num_splits is not None:
+        if num_splits < 1 or num_splits & (num_splits - 1):
+            raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+        cfg["NUM_SPLITS"] = num_splits
+    s = cfg["NUM_SPLITS"]
+    if decode_only:
+        tok_seq = context_lens
+    else:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        tok_seq = torch.repeat_interleave(
+            torch.arange(nseq, device=q.device, dtype=torch.int32), q_lens, output_size=t
+        )
+    if s > 1:
+        part_o = torch.empty(t, h, s, cfg["BLOCK_R"], dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(t, h, s, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out
+    grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, s)
+    _mla_split_kernel[grid](
+        q, cache, block_tables, tok_seq, cu_seqlens_q, context_lens, out, part_o, part_ml,
+        scale * LOG2E, h, r, d - r, cache.shape[1],
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        DECODE_ONLY=decode_only, DOT_PREC=dot_precision(cache.dtype), **cfg,
+    )
+    if s > 1:
+        _decode_reduce_kernel[(t, h)](
+            part_o, part_ml, q, out, h, r, out.stride(0), out.stride(1),
+            NUM_SPLITS=s, BLOCK_DV=cfg["BLOCK_R"], HAS_SINKS=False, num_warps=4,
+        )
+    return out
+
+
+def store_latent_ref(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """Write row ``[latent (r) ; rest (n)]`` of token t to cache slot ``slot_mapping[t]`` (-1: skipped);
+    cache values past r + n (e.g. another layer kind's index key) are left alone. In place."""
+    cache = _flat_cache(kv_cache)
+    nb, bs, width = cache.shape
+    latent, rest = latent.reshape(latent.shape[0], -1), rest.reshape(rest.shape[0], -1)
+    r, n = latent.shape[-1], rest.shape[-1]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        valid = slots >= 0
+        slots, latent, rest = slots[valid], latent[valid], rest[valid]
+    rows = cache.view(nb * bs, width)
+    rows[:, : r + n].index_copy_(0, slots, torch.cat((latent, rest), dim=-1).to(cache.dtype))
+
+
+def _store_latent_triton(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    from tokenfab.kernels.kv_cache import _store_kv_triton
+
+    t = latent.shape[0]
+    latent, rest = latent.reshape(t, -1), rest.reshape(t, -1)
+    r, n = latent.shape[-1], rest.shape[-1]
+    cache = _flat_cache(kv_cache).unsqueeze(2)  # [blocks, block_size, 1, width]
+    _store_kv_triton(latent.reshape(t, 1, r), rest.reshape(t, 1, n), cache[..., :r], cache[..., r : r + n],
+                     slot_mapping)
+
+
+@torch.library.custom_op("tokenfab::store_latent", mutates_args=("kv_cache",))
+def store_latent(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """MLA's cache write: latent [T, r] and rope key (+ more) [T, n] (or [T, 1, n]) into one row per token."""
+    if use_triton(latent):
+        _store_latent_triton(latent, rest, kv_cache, slot_mapping)
+    else:
+        store_latent_ref(latent, rest, kv_cache, slot_mapping)
+
+
+@store_latent.register_fake
+def _(latent, rest, kv_cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op("tokenfab::mla_attention", mutates_args=())
+def mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The MLA layer's one attention call per step (mixed prefill/decode batch), absorbed form."""
+    if use_triton(q):
+        return _mla_attention_triton(
+            q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
+            kv_lora_rank,
+        )
+    return mla_attention_ref(
+        q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
+        kv_lora_rank,
+    )
+
+
+@mla_attention.register_fake
+def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
+      kv_lora_rank):
+    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
