@@ -18,7 +18,7 @@ from tokenfab.engine.sampler import sample_next
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
-from tokenfab.loader.model_loader import load_model
+from tokenfab.loader.model_loader import config_max_len, load_model, text_config
 from tokenfab.tokenizer import detokenize_incrementally, eos_token_ids
 
 log = logging.getLogger("tokenfab")
@@ -80,11 +80,10 @@ class LLMEngine:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = args.served_model_name or loaded.name
-        self.max_model_len = min(
-            args.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
-        )
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.config)
-        self.vocab_size = self.config.vocab_size
+        text = text_config(loaded.config)
+        self.max_model_len = min(args.max_model_len or config_max_len(text), config_max_len(text))
+        self.eos_token_ids = sorted(set(eos_token_ids(self.tokenizer, self.config) + eos_token_ids(None, text)))
+        self.vocab_size = text.vocab_size
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
         if self.device.type == "cuda" and not args.enforce_eager:

@@ -55,8 +55,14 @@ def _hf_tokenizer(model_dir: Path) -> Any | None:
         raise ModelLoadError(model_dir, f"cannot load the tokenizer: {e}") from e
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config (multimodal configs such as Kimi K2.5 nest it)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def config_max_len(config: Any) -> int:
-    return int(getattr(config, "max_position_embeddings", None) or 4096)
+    return int(getattr(text_config(config), "max_position_embeddings", None) or 4096)
 
 
 def load_model(
