@@ -45,7 +45,7 @@ if [ "$XDIST_N" != 0 ] && $PY -c "import xdist" 2>/dev/null; then
 fi
 say "kernel tests (pytest $KERNEL_TESTS $XDIST)"
 # shellcheck disable=SC2086
-timeout 180 $PY -m pytest $KERNEL_TESTS -q -p no:cacheprovider $XDIST -o junit_family=xunit2 \
+timeout 170 $PY -m pytest $KERNEL_TESTS -q -p no:cacheprovider $XDIST -o junit_family=xunit2 \
     --junitxml="$WORK/kernel_tests.xml" >"$WORK/kernel_tests.log" 2>&1
 echo $? >"$WORK/kernel_tests.rc"
 tail -n 40 "$WORK/kernel_tests.log" | tee -a "$LOG"
@@ -53,12 +53,18 @@ say "kernel tests rc=$(cat "$WORK/kernel_tests.rc")"
 
 # --------------------------------------------------------------------------- 2. kernel benchmarks
 say "kernel microbenchmarks (tokenfab bench kernels)"
-timeout 110 $PY -m tokenfab bench kernels --sweep --budget-s 80 \
+timeout 100 $PY -m tokenfab bench kernels --sweep --budget-s 70 \
     --json "$WORK/bench_kernels.json" --markdown "$WORK/bench_kernels.md" \
     >"$WORK/bench_kernels.log" 2>&1
 echo $? >"$WORK/bench_kernels.rc"
 cat "$WORK/bench_kernels.log" >>"$LOG"
 say "kernel benchmarks rc=$(cat "$WORK/bench_kernels.rc")"
+
+say "MLA / DSA kernel microbenchmarks (DeepSeek-V3 / V3.2 sizes)"
+timeout 50 $PY -m tokenfab.bench.mla --json "$WORK/bench_mla.json" >"$WORK/bench_mla.log" 2>&1
+echo $? >"$WORK/bench_mla.rc"
+cat "$WORK/bench_mla.log" >>"$LOG"
+say "MLA benchmarks rc=$(cat "$WORK/bench_mla.rc")"
 
 # =========================================================================== 3. END-TO-END ENGINE
 # ====== BEGIN end-to-end engine benchmark (reserved for the lead) =============================
@@ -69,7 +75,7 @@ say "kernel benchmarks rc=$(cat "$WORK/bench_kernels.rc")"
 say "end-to-end engine benchmark (tokenfab bench engine, random Qwen3-0.6B shape, bf16)"
 # CUDA graphs vs eager vs transformers generate: batch-1 decode tok/s, and output tok/s for
 # 256 requests of 128 in / 128 out (the engine's model is built on the device: no weights travel).
-timeout 150 $PY -m tokenfab bench engine --shape qwen3-0.6b --num-requests 256 --input-len 128 \
+timeout 130 $PY -m tokenfab bench engine --shape qwen3-0.6b --num-requests 256 --input-len 128 \
     --output-len 128 --decode-tokens 256 --hf-batch-size 64 \
     --json "$WORK/bench_e2e.json" --markdown "$WORK/bench_e2e.md" >"$WORK/bench_e2e.log" 2>&1
 echo $? >"$WORK/bench_e2e.rc"
@@ -109,6 +115,7 @@ else:
 
 bench = json.loads(read("bench_kernels.json", "null") or "null")
 e2e = json.loads(read("bench_e2e.json", "null") or "null")
+mla = json.loads(read("bench_mla.json", "null") or "null")
 
 # the issue's goals
 goals = []
@@ -125,7 +132,13 @@ if bench:
     goal("fused MoE (Qwen3-30B-A3B layer) at 8192 tokens >= 50% of matrix peak", "fused_moe T=8192",
          "fraction_of_ceiling", 0.50, "pct")
 
-report = dict(kind="gpu_check", elapsed_s=int(os.environ["ELAPSED"]), kernel_tests=tests,
+if mla:
+    first = next((r for r in mla["rows"] if r["op"].startswith("mla")), None)
+    v = first["fraction_of_ceiling"] if first else None
+    goals.append(dict(goal="MLA decode (DeepSeek-V3 sizes) >= 70% of copy bandwidth", value=v, target=0.70,
+                      met=(v is not None and v >= 0.70), fmt="pct"))
+report = dict(kind="gpu_check", elapsed_s=int(os.environ["ELAPSED"]), kernel_tests=tests, bench_mla=mla,
+              bench_mla_rc=rc("bench_mla.rc"),
               bench_kernels=bench, bench_kernels_rc=rc("bench_kernels.rc"), goals=goals,
               e2e=e2e, e2e_rc=rc("bench_e2e.rc"))
 (out / "gpu_report.json").write_text(json.dumps(report, indent=1))
@@ -151,6 +164,7 @@ if goals:
         v = g["value"]
         shown = "-" if v is None else (f"{100 * v:.0f}%" if g["fmt"] == "pct" else f"{v:.2f}x")
         md.append(f"| {g['goal']} | {shown} | {'yes' if g['met'] else 'no'} |")
+md += ["", "## MLA / DSA kernels", "", "```", read("bench_mla.log", "(not run)"), "```"]
 md += ["", "## End-to-end engine benchmark", ""]
 md.append(read("bench_e2e.md", "(not run)" if e2e is None else "```\n" + json.dumps(e2e, indent=1) + "\n```"))
 (out / "gpu_report.md").write_text("\n".join(md) + "\n")
