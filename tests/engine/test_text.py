@@ -88,3 +88,14 @@ def test_cli_generate():
     )
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
+
+
+def test_cli_chat_streams_a_reply_and_quits_on_empty_line():
+    res = subprocess.run(
+        [sys.executable, "-m", "tokenfab", "chat", "--max-tokens", "12"],
+        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    banner, _, reply = res.stdout.partition("> ")
+    assert "tokenfab chat with SmolLM2-135M-Instruct" in banner
+    assert "Paris" in reply
