@@ -188,7 +188,7 @@ def test_through_triton_kernels(tmp_path, monkeypatch, expand_from):
 def test_kimi_k25_text_checkpoint_loads(tmp_path):
     """Kimi K2.5 (a vision wrapper around a DeepSeek-V3 text model): built from the text config; its
     checkpoint names (``language_model.model.*`` as shipped, ``model.language_model.*`` as transformers
-    saves them) map onto ours, the vision tower and projector are skipped, MTP layers are skipped."""
+    saves them) map onto ours, the vision tower and projector are skipped, MTP layers are kept aside."""
     import transformers
     from safetensors.torch import load_file
 
@@ -216,6 +216,7 @@ def test_kimi_k25_text_checkpoint_loads(tmp_path):
         torch.testing.assert_close(ours.model.layers[0].self_attn.kv_b_proj.weight,
                                    hf.model.layers[0].self_attn.kv_b_proj.weight)
         torch.testing.assert_close(ours.lm_head.weight, hf.lm_head.weight)
+        assert list(ours.mtp_weights) == ["model.layers.3.eh_proj.weight"]
         torch.testing.assert_close(ours.model.layers[2].mlp.e_score_correction_bias,
                                    hf.model.layers[2].mlp.gate.e_score_correction_bias)
 

@@ -15,7 +15,7 @@ Checkpoint names: ``model.layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj|
 kv_a_layernorm,kv_b_proj,o_proj}``, ``mlp.gate.weight`` (router), ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (or transformers v5's stacked ``mlp.experts.gate_up_proj``),
 ``mlp.shared_experts.*``. Multi-token-prediction layers (``model.layers.{n}`` for n >= num_hidden_layers)
-are not used for generation and are skipped at load.
+are not used for generation: they are kept aside in ``mtp_weights`` (CPU) for speculative decoding.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import nn
 
 from tokenfab.layers.mla import MultiHeadLatentAttention
@@ -87,6 +88,19 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             return MoEDecoderLayer(config, make_mla(config, max_position), mlp)
 
         super().__init__(config, make_layer)
+        # Multi-token-prediction layers (checkpoint layers past num_hidden_layers), kept as loaded
+        # (on the CPU, off the forward path) for speculative decoding; generation does not use them.
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    def _is_mtp(self, name: str) -> bool:
+        parts = name.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
+        if self._is_mtp(name):
+            self.mtp_weights[name] = tensor.detach().to("cpu")
+            return []
+        return super().load_checkpoint_tensor(name, tensor)
 
     def remap_checkpoint_name(self, name: str) -> str | None:
         # Kimi K2.5 (multimodal wrapper): keep the language model, drop the vision tower / projector
@@ -97,7 +111,6 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         elif name.startswith(("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.",
                               "model.multi_modal_projector.", "multi_modal_projector.")):
             return None
-        parts = name.split(".")
-        if len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_hidden_layers:
-            return None  # multi-token-prediction layers: not used for generation
+        if self._is_mtp(name):
+            return name  # kept by load_checkpoint_tensor
         return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
