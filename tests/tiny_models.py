@@ -48,3 +48,33 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Any:
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits for every position of one sequence."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def run_capturing_logits(engine, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy-generate ``max_tokens`` for one prompt through the engine, returning the tokens and
+    the logits the runner produced at each step (prefill chunk ends, then each decode step)."""
+    from tokenfab.engine.sampling_params import SamplingParams
+
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    step_logits: list[torch.Tensor] = []
+    orig = engine.runner.execute
+
+    def spy(batch):
+        out = orig(batch)
+        step_logits.append(out.clone())
+        return out
+
+    engine.runner.execute = spy
+    try:
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+    finally:
+        engine.runner.execute = orig
+    return outs[-1].outputs[0].token_ids, step_logits

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import hf_logits, run_capturing_logits
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.model_runner import kv_bytes_per_token
 from tokenfab.engine.sampling_params import SamplingParams
@@ -64,36 +65,13 @@ def tiny(request, tmp_path_factory):
     return hf, path, _engine(path)
 
 
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        out.append(int(_hf_logits(hf, out)[-1].argmax()))
+        out.append(int(hf_logits(hf, out)[-1].argmax()))
     return out[len(ids):]
 
-
-def _run_capturing_logits(engine: LLMEngine, ids: list[int], max_tokens: int):
-    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    step_logits: list[torch.Tensor] = []
-    orig = engine.runner.execute
-
-    def spy(batch):
-        out = orig(batch)
-        step_logits.append(out.clone())
-        return out
-
-    engine.runner.execute = spy
-    try:
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += engine.step()
-    finally:
-        engine.runner.execute = orig
-    return outs[-1].outputs[0].token_ids, step_logits
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
@@ -129,9 +107,9 @@ def test_structure_and_latent_cache(tiny):
 def test_prefill_and_decode_logits_match(tiny):
     hf, _, engine = tiny
     for prompt in PROMPTS:
-        generated, step_logits = _run_capturing_logits(engine, list(prompt), 6)
+        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
         full = list(prompt) + generated
-        ref = _hf_logits(hf, full)
+        ref = hf_logits(hf, full)
         assert len(step_logits) == 6  # the prefill, then 5 decode steps
         for s, logits in enumerate(step_logits):
             pos = len(prompt) - 1 + s
@@ -179,8 +157,8 @@ def test_through_triton_kernels(tmp_path, monkeypatch, expand_from):
     engine = _engine(tmp_path)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     prompt = list(range(30, 43))
-    generated, step_logits = _run_capturing_logits(engine, prompt, 3)
-    ref = _hf_logits(hf, prompt + generated)
+    generated, step_logits = run_capturing_logits(engine, prompt, 3)
+    ref = hf_logits(hf, prompt + generated)
     for s, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
 
@@ -239,8 +217,8 @@ def test_expanded_prefill_form(tiny, monkeypatch):
     monkeypatch.setattr(MLAAttention, "expanded", spy)
     engine = _engine(path, max_num_batched_tokens=12)
     prompt = list(range(30, 53))
-    generated, step_logits = _run_capturing_logits(engine, prompt, 4)
-    ref = _hf_logits(hf, prompt + generated)
+    generated, step_logits = run_capturing_logits(engine, prompt, 4)
+    ref = hf_logits(hf, prompt + generated)
     logits = [x for x in step_logits if x.shape[0]]  # chunk steps that sample nothing return no rows
     assert len(logits) == 4 and calls and min(calls) >= 2
     for s, x in enumerate(logits):

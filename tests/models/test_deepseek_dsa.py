@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_deepseek import YARN, _engine, _generate, _hf_greedy, _hf_logits, _run_capturing_logits
+from tests.models.test_deepseek import YARN, _engine, _generate, _hf_greedy
+from tests.tiny_models import hf_logits, run_capturing_logits
 from tokenfab.layers.dsa import SparseLatentAttention
 
 DSA_COMMON = dict(
@@ -64,9 +65,9 @@ def test_structure_and_cache(tiny):
 def test_prefill_and_decode_logits_match(tiny):
     _, hf, _, engine = tiny
     for prompt in PROMPTS:
-        generated, step_logits = _run_capturing_logits(engine, list(prompt), 6)
+        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
         full = list(prompt) + generated
-        ref = _hf_logits(hf, full)
+        ref = hf_logits(hf, full)
         assert len(step_logits) == 6
         for s, logits in enumerate(step_logits):
             pos = len(prompt) - 1 + s
@@ -100,8 +101,8 @@ def test_through_triton_kernels(tmp_path, monkeypatch):
     engine = _engine(tmp_path)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     prompt = list(range(30, 43))
-    generated, step_logits = _run_capturing_logits(engine, prompt, 3)
-    ref = _hf_logits(hf, prompt + generated)
+    generated, step_logits = run_capturing_logits(engine, prompt, 3)
+    ref = hf_logits(hf, prompt + generated)
     for s, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
 
@@ -111,15 +112,15 @@ def test_selection_matters(tiny):
     from dense MLA (every key selected), and ours follow the sparse ones."""
     _, hf, _, engine = tiny
     ids = list(range(30, 60))
-    sparse = _hf_logits(hf, ids)
+    sparse = hf_logits(hf, ids)
     indexers = [m for m in hf.modules() if hasattr(m, "index_topk")]
     for m in indexers:
         m.index_topk = 1000
     try:
-        dense = _hf_logits(hf, ids)
+        dense = hf_logits(hf, ids)
     finally:
         for m in indexers:
             m.index_topk = 6
     assert (sparse[-1] - dense[-1]).abs().max() > 1e-2
-    _, step_logits = _run_capturing_logits(engine, ids, 1)
+    _, step_logits = run_capturing_logits(engine, ids, 1)
     torch.testing.assert_close(step_logits[0][0], sparse[-1], atol=1e-3, rtol=0)

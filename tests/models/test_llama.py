@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import save_tiny_model, tiny_config
+from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sampling_params import SamplingParams
 
@@ -37,37 +37,15 @@ def tiny(request, tmp_path_factory):
     return hf, engine
 
 
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def test_prefill_and_decode_logits_match(tiny):
     hf, engine = tiny
     prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
     for prompt in prompts:
         ids = list(prompt)
-        engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        step_logits = []
-        # capture logits per step through the runner
-        orig = engine.runner.execute
-
-        def spy(batch, _orig=orig, step_logits=step_logits):
-            out = _orig(batch)
-            step_logits.append(out.clone())
-            return out
-
-        engine.runner.execute = spy
-        try:
-            outs = []
-            while engine.has_unfinished_requests():
-                outs += engine.step()
-        finally:
-            engine.runner.execute = orig
-        generated = outs[-1].outputs[0].token_ids
+        generated, step_logits = run_capturing_logits(engine, ids, 6)
         assert len(generated) == 6
         full = ids + generated
-        ref = _hf_logits(hf, full)
+        ref = hf_logits(hf, full)
         # step 0 is the prefill (maybe in chunks), then 5 decode steps
         assert len(step_logits) == 6
         for s, logits in enumerate(step_logits):

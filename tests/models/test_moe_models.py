@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.moe_tiny_models import mxfp4_pack, mxfp4_unpack, tiny_moe_config
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.layers.moe import FusedMoE
@@ -30,29 +30,6 @@ def tiny(request, tmp_path_factory):
     return request.param, hf, _engine(path)
 
 
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def _run_capturing_logits(engine: LLMEngine, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    step_logits: list[torch.Tensor] = []
-    orig = engine.runner.execute
-
-    def spy(batch):
-        out = orig(batch)
-        step_logits.append(out.clone())
-        return out
-
-    engine.runner.execute = spy
-    try:
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += engine.step()
-    finally:
-        engine.runner.execute = orig
-    return outs[-1].outputs[0].token_ids, step_logits
 
 
 def test_model_structure(tiny):
@@ -75,10 +52,10 @@ def test_model_structure(tiny):
 def test_prefill_and_decode_logits_match(tiny):
     _, hf, engine = tiny
     for prompt in PROMPTS:
-        generated, step_logits = _run_capturing_logits(engine, list(prompt), 6)
+        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
         assert len(generated) == 6
         full = list(prompt) + generated
-        ref = _hf_logits(hf, full)
+        ref = hf_logits(hf, full)
         assert len(step_logits) == 6  # the prefill, then 5 decode steps
         for s, logits in enumerate(step_logits):
             pos = len(prompt) - 1 + s
@@ -133,8 +110,8 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     (q / "config.json").write_text(json.dumps(cfg))
     engine = _engine(q)
     prompt = PROMPTS[0]
-    generated, step_logits = _run_capturing_logits(engine, list(prompt), 2)
-    ref = _hf_logits(hf, list(prompt) + generated)
+    generated, step_logits = run_capturing_logits(engine, list(prompt), 2)
+    ref = hf_logits(hf, list(prompt) + generated)
     for s, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
 
@@ -150,7 +127,7 @@ def test_gpt_oss_through_triton_kernels(tmp_path, monkeypatch):
     engine = _engine(tmp_path)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     prompt = list(range(30, 52))
-    generated, step_logits = _run_capturing_logits(engine, prompt, 3)
-    ref = _hf_logits(hf, prompt + generated)
+    generated, step_logits = run_capturing_logits(engine, prompt, 3)
+    ref = hf_logits(hf, prompt + generated)
     for s, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
