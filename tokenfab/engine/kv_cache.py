@@ -58,9 +58,10 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------
     def _full_block_hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
-        """Chained hashes of seq's full blocks within its first ``upto_tokens`` tokens."""
+        """seq.block_hashes, extended in place to the full blocks within its first ``upto_tokens``
+        tokens (a block's hash depends only on tokens, which never change once known)."""
         bs = self.block_size
-        hashes = list(seq.block_hashes)
+        hashes = seq.block_hashes
         parent = hashes[-1] if hashes else _NO_PARENT
         for i in range(len(hashes), upto_tokens // bs):
             parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
@@ -74,7 +75,6 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         hashes = self._full_block_hashes(seq, seq.num_tokens - 1)
-        seq.block_hashes = hashes
         hit = 0
         for h in hashes:
             block = self.cached.get(h)
@@ -84,6 +84,7 @@ class BlockManager:
             seq.block_table.append(block)
             hit += 1
         seq.num_computed_tokens = hit * self.block_size
+        seq.num_committed_blocks = hit
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
@@ -93,15 +94,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        if n_full <= 0:
+        if n_full <= seq.num_committed_blocks:
             return
         hashes = self._full_block_hashes(seq, n_full * self.block_size)
-        seq.block_hashes = hashes
-        for i in range(n_full):
+        for i in range(seq.num_committed_blocks, n_full):  # only the blocks filled since last time
             block, h = seq.block_table[i], hashes[i]
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+        seq.num_committed_blocks = n_full
 
     # ---- allocation -----------------------------------------------------------------
     def _take(self, block: int) -> None:
@@ -138,6 +139,7 @@ class BlockManager:
                 self.free_queue[block] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):

@@ -42,6 +42,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
+        self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
