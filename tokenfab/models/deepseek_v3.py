@@ -29,7 +29,8 @@ from torch import nn
 from tokenfab.layers.mla import MultiHeadLatentAttention
 from tokenfab.layers.moe import FusedMoE, GatedMLP
 from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
-from tokenfab.models.mixtral import MoECausalLM, MoEDecoderLayer
+from tokenfab.models.llama import DecoderLayer
+from tokenfab.models.mixtral import MoECausalLM
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -85,7 +86,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
                 mlp: nn.Module = make_deepseek_moe(config)
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-            return MoEDecoderLayer(config, make_mla(config, max_position), mlp)
+            return DecoderLayer(config, make_mla(config, max_position), mlp)
 
         super().__init__(config, make_layer)
         # Multi-token-prediction layers (checkpoint layers past num_hidden_layers), kept as loaded

@@ -19,7 +19,8 @@ from tokenfab.layers.dsa import LightningIndexer, SparseLatentAttention
 from tokenfab.layers.moe import GatedMLP
 from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
 from tokenfab.models.deepseek_v3 import DeepseekV3ForCausalLM, make_deepseek_moe, mla_softmax_scale
-from tokenfab.models.mixtral import MoECausalLM, MoEDecoderLayer
+from tokenfab.models.llama import DecoderLayer
+from tokenfab.models.mixtral import MoECausalLM
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
@@ -56,7 +57,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
                 mlp: nn.Module = make_deepseek_moe(config)
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-            return MoEDecoderLayer(config, attn, mlp)
+            return DecoderLayer(config, attn, mlp)
 
         MoECausalLM.__init__(self, config, make_layer)
 

@@ -35,8 +35,8 @@ from torch import nn
 
 from tokenfab.layers.attention import Attention
 from tokenfab.layers.moe import FusedMoE, load_moe_tensor
-from tokenfab.models.llama import LlamaAttention, layer_sliding_window
-from tokenfab.models.mixtral import MoECausalLM, MoEDecoderLayer
+from tokenfab.models.llama import DecoderLayer, LlamaAttention, layer_sliding_window
+from tokenfab.models.mixtral import MoECausalLM
 
 # E2M1 values of the 16 FP4 codes (sign bit 3, exponent bits 2-1, mantissa bit 0).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -96,7 +96,7 @@ class GptOssForCausalLM(MoECausalLM):
                 renormalize=True, router_bias=True, expert_bias=True, activation="swiglu_oai",
                 swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit,
             )
-            return MoEDecoderLayer(config, GptOssAttention(config, i, max_position), moe)
+            return DecoderLayer(config, GptOssAttention(config, i, max_position), moe)
 
         super().__init__(config, make_layer)
         self._mxfp4_pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,13 +87,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, max_position: int) -> None:
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h = x + attn(norm(x)); out = h + mlp(norm(h)). Every model family
+    builds its layers from this with its own attention and MLP (dense or MoE)."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, max_position)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -107,13 +111,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int) -> None:
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -124,7 +126,9 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers from ``make_layer(i)``, final norm, LM head (tied if the config says)."""
+
     # checkpoint projection name -> (our merged module, shard index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0),
@@ -134,11 +138,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, max_position: int | None = None) -> None:
+    def __init__(self, config: Any, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.config = config
-        max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, max_position)
+        self.model = DecoderModel(config, make_layer)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -149,3 +152,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: Any, max_position: int | None = None) -> None:
+        max_position = max_position or config.max_position_embeddings
+        super().__init__(
+            config, lambda i: DecoderLayer(config, LlamaAttention(config, i, max_position), LlamaMLP(config))
+        )

@@ -1,4 +1,4 @@
-"""Mixtral, and the decoder skeleton the MoE models share.
+"""Mixtral, and the CausalLM variant the MoE models share (expert checkpoint loading).
 
     h = x + Attn(RMSNorm(x));   out = h + MoE(RMSNorm(h))
     Attn: Mistral's (GQA, RoPE, optional sliding window)
@@ -12,82 +12,17 @@ Checkpoint names: ``model.layers.{i}.block_sparse_moe.gate.weight`` (router) and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenfab.forward_batch import ForwardBatch
-from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.moe import FusedMoE, load_expert_checkpoint_tensor
-from tokenfab.layers.norm import RMSNorm
-from tokenfab.models.llama import LlamaAttention
+from tokenfab.models.llama import CausalLM, DecoderLayer, LlamaAttention
 
 
-class MoEDecoderLayer(nn.Module):
-    """Pre-norm residual block: h = x + attn(norm(x)); out = h + mlp(norm(h)) (mlp: MoE or dense)."""
-
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x.clone()
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class MoEModel(nn.Module):
-    def __init__(self, config: Any, make_layer: Callable[[int], nn.Module]) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        x, _ = self.norm(x, residual)
-        return x
-
-
-class MoECausalLM(nn.Module):
-    """Embeddings, decoder layers from ``make_layer(i)``, final norm, LM head; loads expert tensors."""
-
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, config: Any, make_layer: Callable[[int], nn.Module]) -> None:
-        super().__init__()
-        self.config = config
-        self.model = MoEModel(config, make_layer)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, H] of every token of the batch."""
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+class MoECausalLM(CausalLM):
+    """A CausalLM whose checkpoint also holds expert tensors (per expert, stacked or MXFP4)."""
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
         return load_expert_checkpoint_tensor(self, name, tensor)
@@ -102,7 +37,7 @@ class MixtralForCausalLM(MoECausalLM):
                 config.hidden_size, config.intermediate_size, config.num_local_experts,
                 config.num_experts_per_tok, renormalize=True,
             )
-            return MoEDecoderLayer(config, LlamaAttention(config, i, max_position), moe)
+            return DecoderLayer(config, LlamaAttention(config, i, max_position), moe)
 
         super().__init__(config, make_layer)
 

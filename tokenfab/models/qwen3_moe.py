@@ -22,8 +22,8 @@ from torch import nn
 from tokenfab.layers.linear import MergedLinear
 from tokenfab.layers.moe import FusedMoE, GatedMLP
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.models.llama import LlamaAttention, LlamaMLP
-from tokenfab.models.mixtral import MoECausalLM, MoEDecoderLayer
+from tokenfab.models.llama import DecoderLayer, LlamaAttention, LlamaMLP
+from tokenfab.models.mixtral import MoECausalLM
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
@@ -63,7 +63,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
         def make_layer(i: int) -> nn.Module:
             mlp = self.make_moe(config) if is_moe_layer(config, i) else LlamaMLP(config)
-            return MoEDecoderLayer(config, self.attention_cls(config, i, max_position), mlp)
+            return DecoderLayer(config, self.attention_cls(config, i, max_position), mlp)
 
         super().__init__(config, make_layer)
 
