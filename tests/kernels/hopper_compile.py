@@ -236,22 +236,31 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_cli(compile_all: Callable[..., list[dict]], description: str, argv: list[str] | None = None,
+            quick: bool = False) -> int:
+    """The command line shared by the Hopper compile scripts (kernels, MoE, MLA); ``quick`` adds a
+    --quick flag passed on to ``compile_all(only, quick)``."""
     os.environ.setdefault("TRITON_INTERPRET", "0")
     if os.environ["TRITON_INTERPRET"] not in ("", "0"):
         print("set TRITON_INTERPRET=0: the Hopper compile needs real @triton.jit functions", file=sys.stderr)
         return 2
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", action="store_true", help="print the table")
     ap.add_argument("--only", help="compile only workloads whose label contains this")
+    if quick:
+        ap.add_argument("--quick", action="store_true", help="only the workloads the test checks")
     args = ap.parse_args(argv)
-    results = compile_all(args.only)
+    results = compile_all(args.only, args.quick) if quick else compile_all(args.only)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.markdown:
         print(markdown(results))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(compile_all, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

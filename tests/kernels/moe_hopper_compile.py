@@ -12,9 +12,6 @@ intermediate 768), GPT-OSS's (biases, clamped SwiGLU, hidden 2880), fp32, and th
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import _Compiler, markdown  # noqa: E402
+from tests.kernels.hopper_compile import _Compiler, run_cli  # noqa: E402
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -101,22 +98,7 @@ def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "0")
-    if os.environ["TRITON_INTERPRET"] not in ("", "0"):
-        print("set TRITON_INTERPRET=0: the Hopper compile needs real @triton.jit functions", file=sys.stderr)
-        return 2
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the records here")
-    ap.add_argument("--markdown", action="store_true", help="print the table")
-    ap.add_argument("--only", help="compile only workloads whose label contains this")
-    ap.add_argument("--quick", action="store_true", help="only the workloads the test checks")
-    args = ap.parse_args(argv)
-    results = compile_all(args.only, args.quick)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.markdown:
-        print(markdown(results))
-    return 0
+    return run_cli(compile_all, __doc__.splitlines()[0], argv, quick=True)
 
 
 if __name__ == "__main__":
