@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from tokenfab.engine.sampler import sample_next
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.layers.linear import prepack_cpu_linears
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
 from tokenfab.tokenizer import detokenize_incrementally, eos_token_ids
 
@@ -57,15 +59,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
 def default_cpu_kv_bytes() -> int:
     """CPU default: 2 GiB, or a quarter of the machine's memory when that is less."""
-    try:
-        import os
+    return min(2 << 30, physical_memory_bytes() // 4)
 
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 8 << 30
-    return min(2 << 30, total // 4)
+
+def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, enabled: bool) -> int:
+    """MKL-packed weight copies on CPU float32 when they fit easily; returns the bytes packed."""
+    if not enabled or device.type != "cpu" or dtype != torch.float32:
+        return 0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if weight_bytes > physical_memory_bytes() // 4:
+        log.info("not packing CPU weights: %.1f GiB of weights", weight_bytes / 2**30)
+        return 0
+    return prepack_cpu_linears(model)
 
 
 class LLMEngine:
@@ -84,6 +98,7 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or config_max_len(text), config_max_len(text))
         self.eos_token_ids = sorted(set(eos_token_ids(self.tokenizer, self.config) + eos_token_ids(None, text)))
         self.vocab_size = text.vocab_size
+        maybe_pack_cpu_weights(self.model, self.device, self.dtype, args.cpu_weight_packing)
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
         if self.device.type == "cuda" and not args.enforce_eager:

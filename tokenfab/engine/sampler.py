@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.engine.sequence import Sequence
-from tokenfab.kernels import sample
+from tokenfab.kernels import argmax, sample
 
 _M32 = 0xFFFFFFFF
 
@@ -78,7 +78,7 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
         if s.params.constraint is not None:
             s.params.constraint.mask_logits(logits[i])
     if all(s.params.temperature == 0.0 for s in seqs):
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
     else:
         p = [s.params for s in seqs]
         tokens = sample(

@@ -1,9 +1,10 @@
 """Triton kernels with PyTorch references, registered as torch custom ops (``torch.ops.tokenfab``).
 
 The names exported here are what layers call. Under ``torch.compile`` and for tensors that
-run Triton they are the registered custom ops; in eager mode on the reference path they call
-the reference directly, skipping the custom-op dispatcher (tens of microseconds a call, which
-adds up to milliseconds a step over a model's ~200 op calls on CPU).
+run Triton they are the registered custom ops; in eager mode on CPU they call the native C
+kernel where one exists and takes the tensors (``kernels/cpu``), else the reference, skipping
+the custom-op dispatcher (tens of microseconds a call, which adds up to milliseconds a step
+over a model's ~200 op calls on CPU).
 """
 
 from __future__ import annotations
@@ -15,31 +16,38 @@ import torch
 
 from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
 from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.cpu import elementwise as native
 
 
-def _eager_fast_path(op: Callable, ref: Callable) -> Callable:
+def _eager_fast_path(op: Callable, ref: Callable, native_op: Callable | None = None) -> Callable:
+    """``native_op`` (same signature) returns None for tensors it cannot take."""
+
     @functools.wraps(ref)
     def call(first: torch.Tensor, *args, **kwargs):
         if torch.compiler.is_compiling() or use_triton(first):
             return op(first, *args, **kwargs)
+        if native_op is not None:
+            out = native_op(first, *args, **kwargs)
+            if out is not None:
+                return out
         return ref(first, *args, **kwargs)
 
     call.op = op  # type: ignore[attr-defined]
     return call
 
 
-def _paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
+def _paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
                          max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None):
-    return attention.paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+    return attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                          max_query_len, max_context_len, scale, sliding_window, softcap, sinks)
 
 
-rms_norm = _eager_fast_path(norm.rms_norm, norm.rms_norm_ref)
-add_rms_norm = _eager_fast_path(norm.add_rms_norm, norm.add_rms_norm_ref)
-silu_and_mul = _eager_fast_path(activation.silu_and_mul, activation.silu_and_mul_ref)
+rms_norm = _eager_fast_path(norm.rms_norm, norm.rms_norm_ref, native.rms_norm)
+add_rms_norm = _eager_fast_path(norm.add_rms_norm, norm.add_rms_norm_ref, native.add_rms_norm)
+silu_and_mul = _eager_fast_path(activation.silu_and_mul, activation.silu_and_mul_ref, native.silu_and_mul)
 gelu_and_mul = _eager_fast_path(activation.gelu_and_mul, activation.gelu_and_mul_ref)
 store_kv = _eager_fast_path(kv_cache.store_kv, kv_cache.store_kv_ref)
-paged_attention = _eager_fast_path(attention.paged_attention, _paged_attention_ref)
+paged_attention = _eager_fast_path(attention.paged_attention, _paged_attention_cpu)
 sample = _eager_fast_path(sampling.sample, sampling.sample_ref)
 
 
@@ -48,11 +56,24 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     # dispatch on q (positions is an index tensor that may live elsewhere)
     if torch.compiler.is_compiling() or use_triton(q):
         return rope.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    out = native.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    if out is not None:
+        return out
     return rope.rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice per row of [R, V] logits (first maximum)."""
+    if not torch.compiler.is_compiling():
+        out = native.argmax(logits)
+        if out is not None:
+            return out
+    return logits.argmax(-1)
 
 
 __all__ = [
     "add_rms_norm",
+    "argmax",
     "gelu_and_mul",
     "paged_attention",
     "rms_norm",

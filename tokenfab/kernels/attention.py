@@ -26,6 +26,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.cpu import attention as native_attention
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
@@ -68,14 +69,17 @@ def paged_attention_ref(
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         is_decode = q_lens == 1
         if bool(is_decode.any()) and not bool(is_decode.all()):
-            return _split_decodes(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens,
-                                  is_decode, scale, sliding_window, softcap, sinks)
+            return _split_decodes(paged_attention_ref, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                  context_lens, q_lens, is_decode, scale, sliding_window, softcap, sinks)
     hkv = k_cache.shape[2]
     k = _gather_kv(k_cache, block_tables, max_context_len)
     v = _gather_kv(v_cache, block_tables, max_context_len)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
     dev = q.device
+    plain = softcap <= 0.0 and sinks is None and sliding_window <= 0 and q.dtype == k.dtype
+    if max_query_len > 1 and plain and bool((ctx == q_lens).all()):
+        return _fresh_prefill(q, k, v, cu_seqlens_q, q_lens, max_query_len, scale)
     if max_query_len == 1:
         q_pad = q.view(b, 1, hq, d)
         seq_idx = tok_idx = None
@@ -119,9 +123,31 @@ def paged_attention_ref(
     return out[seq_idx, tok_idx]
 
 
-def _split_decodes(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, is_decode, scale,
+def _fresh_prefill(q, k, v, cu_seqlens_q, q_lens, max_query_len, scale) -> torch.Tensor:
+    """Prompts with nothing cached: causal attention over right-padded rows, no mask tensor.
+
+    With right padding, query i of a sequence sees keys 0..i, all of them its own (i < q_len),
+    so SDPA's is_causal is exact for the real rows and skips the blocks above the diagonal;
+    padded rows compute on finite cache contents and are dropped.
+    """
+    t, hq, d = q.shape
+    b = q_lens.shape[0]
+    hkv = k.shape[2]
+    seq_idx = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=t)
+    tok_idx = torch.arange(t, device=q.device) - cu_seqlens_q[:-1].long()[seq_idx]
+    q_pad = q.new_zeros(b, max_query_len, hq, d)
+    q_pad[seq_idx, tok_idx] = q
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=hq != hkv,
+    )
+    return out.transpose(1, 2)[seq_idx, tok_idx]
+
+
+def _split_decodes(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, is_decode, scale,
                    sliding_window, softcap, sinks) -> torch.Tensor:
-    """paged_attention_ref over the decode rows and the prefill rows of a mixed batch separately."""
+    """``attend`` (a paged_attention variant) over the decode rows and the prefill rows of a mixed batch
+    separately."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for rows in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)):
         lens = q_lens[rows]
@@ -132,7 +158,7 @@ def _split_decodes(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens
         tokens = cu_seqlens_q[:-1].long()[rows][seq_of_token] + (
             torch.arange(seq_of_token.numel(), device=q.device) - cu[:-1].long()[seq_of_token])
         ctx = context_lens[rows]
-        out[tokens] = paged_attention_ref(
+        out[tokens] = attend(
             q[tokens], k_cache, v_cache, block_tables[rows], cu, ctx, int(lens.max()), int(ctx.max()), scale,
             sliding_window, softcap, sinks,
         )
@@ -158,6 +184,38 @@ def paged_decode_attention_ref(
         q, k_cache, v_cache, block_tables, cu, context_lens, 1, max_context_len, scale,
         sliding_window, softcap, sinks,
     )
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU fast path of ``paged_attention``: decode rows through the native C kernel, which
+    reads the pages in place (``kernels/cpu``), prefill rows through the reference (SDPA). Falls
+    back to the reference entirely where the native kernel is unavailable."""
+    if not native_attention.supports(q, k_cache, v_cache) or q.shape[0] == 0:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
+                                   max_context_len, scale, sliding_window, softcap, sinks)
+    if max_query_len == 1:
+        return native_attention.paged_decode_attention_native(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks)
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    is_decode = q_lens == 1
+    if not bool(is_decode.any()):
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
+                                   max_context_len, scale, sliding_window, softcap, sinks)
+    return _split_decodes(paged_attention_cpu, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                          q_lens, is_decode, scale, sliding_window, softcap, sinks)
 
 
 def prefill_attention_ref(
@@ -721,7 +779,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
             max_context_len, scale, sliding_window, softcap, sinks,
         )
-    return paged_attention_ref(
+    return paged_attention_cpu(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
         max_context_len, scale, sliding_window, softcap, sinks,
     )

@@ -1,0 +1,213 @@
+"""The native CPU kernels (kernels/cpu, C compiled on first use) against their PyTorch references.
+
+These are the engine's default CPU path, so they get the same cases as the Triton kernels:
+ragged lengths, block boundaries, GQA/MQA, windows, softcap, sinks, strided inputs, bf16.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+import tokenfab.kernels.cpu as native_lib
+from tests.kernels.test_attention import DECODE_CASES, PREFILL_CASES, _batch, _sinks
+from tests.kernels.tolerances import assert_close
+from tokenfab import kernels
+from tokenfab.kernels import activation, attention, norm, rope
+from tokenfab.kernels.cpu import attention as native_attention
+from tokenfab.kernels.cpu import elementwise as native
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_library_builds_here():
+    """This machine has a C compiler: the native path must be what the engine runs, not a silent fallback."""
+    assert native_lib.native_library() is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_attention(case, dtype, gen):
+    ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks, _ = case
+    q, kc, vc, bt, _, ctx = _batch([1] * len(ctx_lens), ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu")
+    sinks = _sinks(use_sinks, hq, gen, "cpu")
+    assert native_attention.supports(q, kc, vc)
+    out = native_attention.paged_decode_attention_native(q, kc, vc, bt, ctx, d**-0.5, window, softcap, sinks)
+    ref = attention.paged_decode_attention_ref(q, kc, vc, bt, ctx, max(ctx_lens), d**-0.5, window, softcap, sinks)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,dv", [(16, 1, 576, 512), (8, 8, 128, 128), (7, 7, 20, 20)])
+def test_decode_attention_head_shapes(hq, hkv, d, dv, dtype, gen):
+    """MLA's absorbed shape (one latent kv head, value narrower than key), MHA, a head dim
+    that is not a multiple of 16 (the scalar dot-product path)."""
+    ctx_lens = [1, 15, 16, 17, 70]
+    q, kc, vc, bt, _, ctx = _batch([1] * 5, ctx_lens, hq, hkv, d, 16, dtype, gen, "cpu", dv=dv)
+    out = native_attention.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.1)
+    ref = attention.paged_decode_attention_ref(q, kc, vc, bt, ctx, max(ctx_lens), 0.1)
+    assert_close(out, ref)
+
+
+def test_decode_attention_strided_q_latent_views_and_many_sequences(gen):
+    """q as a view into a fused qkv; K and V as views of one latent cache (MLA stores V as the
+    first columns of K); more sequences than threads, and a batch of one (kv heads split)."""
+    hq, hkv, d = 4, 2, 32
+    for ctx_lens in ([9, 40, 1, 77, 16, 5, 33, 64, 2, 100], [300]):
+        q, kc, _, bt, _, ctx = _batch([1] * len(ctx_lens), ctx_lens, hq, hkv, d, 16, torch.float32, gen, "cpu")
+        vc = kc[..., :24]  # strided view, Dv = 24
+        qkv = torch.randn(q.shape[0], (hq + 2 * hkv) * d, generator=gen)
+        qkv[:, : hq * d] = q.reshape(q.shape[0], -1)
+        q_view = qkv[:, : hq * d].view(q.shape[0], hq, d)
+        out = native_attention.paged_decode_attention_native(q_view, kc, vc, bt.long(), ctx.long(), 0.3)
+        ref = attention.paged_decode_attention_ref(q, kc, vc, bt, ctx, max(ctx_lens), 0.3)
+        assert_close(out, ref)
+
+
+def test_decode_attention_empty_batch():
+    q, kc, vc, bt, _, ctx = _batch([], [], 4, 2, 32, 16, torch.float32, torch.Generator(), "cpu")
+    assert native_attention.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.1).shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cpu_path_on_mixed_batches(case, dtype, gen):
+    """paged_attention_cpu (native decode rows + reference prefill rows) equals the reference,
+    with the case's prefill chunks mixed with decodes."""
+    q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = case
+    q_lens, ctx_lens = q_lens + [1, 1], ctx_lens + [1, 50]
+    q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu")
+    sinks = _sinks(use_sinks, hq, gen, "cpu")
+    args = (q, kc, vc, bt, cu, ctx, max(q_lens), max(ctx_lens), d**-0.5, window, softcap, sinks)
+    assert_close(attention.paged_attention_cpu(*args), attention.paged_attention_ref(*args))
+
+
+def test_fresh_prefill_shortcut_equals_masked_path(gen):
+    """Prompts with nothing cached take SDPA's is_causal path; it must equal the masked path."""
+    q_lens = [5, 33, 1, 16]
+    q, kc, vc, bt, cu, ctx = _batch(q_lens, q_lens, 6, 2, 32, 16, torch.float32, gen, "cpu")
+    args = (q, kc, vc, bt, cu, ctx, max(q_lens), max(q_lens), 0.2)
+    fast = attention.paged_attention_ref(*args)
+    # a window longer than every sequence changes nothing but takes the masked path
+    masked = attention.paged_attention_ref(*args[:-1], 0.2, 1000)
+    assert_close(fast, masked)
+
+
+def _rows_view(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x's rows as a column slice of a wider tensor (a strided view, like a fused projection's)."""
+    wide = torch.zeros(x.shape[0], width + 7, dtype=x.dtype)
+    wide[:, 3 : 3 + width] = x
+    return wide[:, 3 : 3 + width]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h", [(1, 8), (5, 576), (300, 96), (0, 16)])
+def test_rms_norm(rows, h, dtype, gen):
+    x = torch.randn(rows, h, generator=gen).to(dtype)
+    w = torch.randn(h, generator=gen).to(dtype)
+    assert_close(native.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+    strided = _rows_view(x, h)
+    assert_close(native.rms_norm(strided, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_over_heads(dtype, gen):
+    """Qwen3's q/k norm: [T, heads, D] normalized over D, the heads a view into a fused qkv."""
+    qkv = torch.randn(7, 12 * 16, generator=gen).to(dtype)
+    q = qkv[:, : 8 * 16].view(7, 8, 16)
+    w = torch.randn(16, generator=gen).to(dtype)
+    assert_close(native.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h", [(1, 8), (9, 576), (300, 96)])
+def test_add_rms_norm(rows, h, dtype, gen):
+    x = torch.randn(rows, h, generator=gen).to(dtype)
+    res = torch.randn(rows, h, generator=gen).to(dtype)
+    w = torch.randn(h, generator=gen).to(dtype)
+    res_native, res_ref = res.clone(), res.clone()
+    out = native.add_rms_norm(x, res_native, w, 1e-5)
+    ref = norm.add_rms_norm_ref(x, res_ref, w, 1e-5)
+    assert_close(out, ref)
+    assert_close(res_native, res_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,i", [(1, 8), (7, 1536), (260, 40), (0, 8)])
+def test_silu_and_mul(rows, i, dtype, gen):
+    x = (torch.randn(rows, 2 * i, generator=gen) * 4).to(dtype)
+    assert_close(native.silu_and_mul(x), activation.silu_and_mul_ref(x))
+    assert_close(native.silu_and_mul(_rows_view(x, 2 * i)), activation.silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("d,rot", [(64, 64), (32, 16), (40, 40)])
+def test_rotary(d, rot, is_neox, dtype, gen):
+    """Full and partial rotation, both layouts, q and k as views into a fused qkv."""
+    t, hq, hk = 11, 6, 2
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    cos_sin = torch.randn(100, rot, generator=gen)
+    pos = torch.randint(0, 100, (t,), generator=gen)
+    out_q, out_k = native.rotary_embedding(pos, q, k, cos_sin, is_neox)
+    ref_q, ref_k = rope.rotary_embedding_ref(pos, q, k, cos_sin, is_neox)
+    assert_close(out_q, ref_q)
+    assert_close(out_k, ref_k)
+
+
+def test_argmax_first_maximum_and_nan(gen):
+    x = torch.randn(9, 1000, generator=gen)
+    x[2, 10] = x[2, 500] = 50.0  # a tie: the first wins
+    x[4, 0] = 60.0  # at index 0
+    x[5, 999] = 70.0  # at the end
+    x[6, 300] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+    x[7] = float("-inf")
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+    assert native.argmax(x)[2] == 10 and native.argmax(x)[6] == 300
+
+
+def test_unsupported_inputs_fall_back(gen):
+    """float16 and odd layouts are declined (None), and the public ops still give the reference."""
+    x = torch.randn(4, 16, generator=gen).half()
+    w = torch.randn(16, generator=gen).half()
+    assert native.rms_norm(x, w, 1e-6) is None
+    assert_close(kernels.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+    assert native.argmax(torch.randn(3, 4, 5)) is None
+    xt = torch.randn(16, 4, generator=gen).t()  # last dim not contiguous
+    assert native.silu_and_mul(xt) is None
+    assert_close(kernels.silu_and_mul(xt), activation.silu_and_mul_ref(xt))
+
+
+def test_disabled_by_environment(monkeypatch, gen):
+    monkeypatch.setenv("TOKENFAB_CPU_NATIVE", "0")
+    assert native_lib.native_library() is None
+    x = torch.randn(3, 8, generator=gen)
+    w = torch.randn(8, generator=gen)
+    assert native.rms_norm(x, w, 1e-6) is None
+    assert_close(kernels.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    """A compiler that fails leaves the engine on the reference path, with the reason logged."""
+    monkeypatch.setattr(native_lib, "_library", None)
+    monkeypatch.setattr(native_lib, "_tried", False)
+    monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    with caplog.at_level("WARNING"):
+        assert native_lib.native_library() is None
+    assert "building the CPU kernels failed" in caplog.text
+    # and a real compiler builds into the cache directory
+    monkeypatch.setattr(native_lib, "_tried", False)
+    monkeypatch.delenv("CC")
+    assert native_lib.native_library() is not None
+    assert list((tmp_path / "cpu_kernels").glob("tokenfab_cpu_*.so"))
+
+
+def test_build_errors_are_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(tmp_path))
+    with pytest.raises(subprocess.CalledProcessError):
+        native_lib._build("false")

@@ -1,0 +1,134 @@
+"""Native CPU kernels: small C files compiled on first use with the system C compiler.
+
+They are the CPU fast path where the PyTorch reference is far from the machine's limit:
+paged decode attention (the reference must first gather every sequence's pages into one
+padded block), and the row-wise ops of every layer (RMSNorm with the residual add, SiLU-and-
+mul, RoPE, the greedy argmax), which the reference runs as several passes with temporaries.
+Each is tested against its reference in ``tests/kernels/test_cpu_native.py``.
+
+The library is built once per (source, compiler, CPU) into ``$TOKENFAB_CACHE_DIR`` (default
+``~/.cache/tokenfab``) and loaded with ctypes; it links the same ``libgomp.so.1`` that torch
+loaded, so its OpenMP threads are torch's threads. Without a compiler, or with
+``TOKENFAB_CPU_NATIVE=0``, ``native_library()`` returns None and callers use the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("paged_decode.c", "elementwise.c")
+_HEADERS = ("common.h",)
+# -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
+# object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
+# is not pulled into the library.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math", "-std=c11"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENFAB_CPU_NATIVE", "1") not in ("0", "false", "no")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TOKENFAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenfab")
+    return Path(root) / "cpu_kernels"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
+def _build(cc: str) -> Path:
+    here = Path(__file__).parent
+    sources = [here / s for s in _SOURCES]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256()
+    inputs = [*sources, *(here / h for h in _HEADERS)]
+    for part in [*(f.read_bytes() for f in inputs), version.encode(), _cpu_signature().encode(),
+                 " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()]:
+        key.update(part)
+    out = cache_dir() / f"tokenfab_cpu_{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = []
+        for src in sources:
+            obj = Path(tmp) / (src.stem + ".o")
+            subprocess.run([cc, *_COMPILE_FLAGS, f"-I{here}", "-c", str(src), "-o", str(obj)], check=True,
+                           capture_output=True, text=True)
+            objects.append(str(obj))
+        lib = Path(tmp) / out.name
+        subprocess.run([cc, *objects, "-o", str(lib), *_LINK_FLAGS], check=True, capture_output=True, text=True)
+        os.replace(lib, out)  # atomic: concurrent builders each install a complete file
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_f32": [p] * 6 + [i64] * 15 + [f32, i64, f32, p],
+        "paged_decode_bf16": [p] * 6 + [i64] * 15 + [f32, i64, f32, p],
+        "rms_norm": [p, i64, i64, i64, p, i64, p, p, i64, i64, i64, f32, i32],
+        "silu_and_mul": [p, i64, p, i64, i64, i64, i32],
+        "rotary": [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32],
+        "argmax_rows": [p, i64, i64, p],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = args
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None when disabled or unbuildable."""
+    global _library, _tried
+    if not enabled():
+        return None
+    if _tried:
+        return _library
+    with _lock:
+        if _tried:
+            return _library
+        import torch  # noqa: F401  (libgomp.so.1 must be torch's before the library loads)
+
+        cc = _compiler()
+        if cc is None:
+            log.warning("no C compiler found: CPU decode attention uses the PyTorch reference (slower)")
+        else:
+            try:
+                _library = ctypes.CDLL(str(_build(cc)))
+                _declare(_library)
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                log.warning("building the CPU kernels failed, using the PyTorch reference: %s", detail[-2000:])
+                _library = None
+        _tried = True
+    return _library

@@ -1,0 +1,63 @@
+"""ctypes wrapper of ``paged_decode.c``: paged decode attention reading the cache in place."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenfab.kernels.cpu import native_library
+
+_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native kernel can run these tensors (CPU, float32/bfloat16, unit last stride)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _FUNCTIONS
+        and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
+        and k_cache.stride(-1) == 1
+        and v_cache.stride(-1) == 1
+        and native_library() is not None
+    )
+
+
+def paged_decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, Dv]; same contract as ``paged_decode_attention_ref``.
+
+    The caller checks ``supports`` first. Index tensors are converted to contiguous int32
+    (cheap: [B] and [B, max_blocks]).
+    """
+    lib = native_library()
+    b, hq, d = q.shape
+    _, bs, hkv, dv = v_cache.shape
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    out = q.new_empty(b, hq, dv)
+    if b == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    ctx = context_lens.to(torch.int32).contiguous()
+    sinks_f = sinks.float().contiguous() if sinks is not None else None
+    fn = getattr(lib, _FUNCTIONS[q.dtype])
+    fn(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(),
+        b, hq, hkv, d, dv, bs, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        float(scale), int(sliding_window), float(softcap),
+        sinks_f.data_ptr() if sinks_f is not None else None,
+    )
+    return out

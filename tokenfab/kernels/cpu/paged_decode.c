@@ -1,0 +1,268 @@
+/*
+ * Paged decode attention for the CPU: one query token per sequence, keys and values read in
+ * place from the paged cache (no gather copy, no padding to the longest context).
+ *
+ * Why C: on CPU the PyTorch reference has to copy every sequence's pages into one padded
+ * block before it can call SDPA; at 64 sequences that copy plus the padded attention was ~45%
+ * of a decode step. Decode attention is a memory-bound scan of the cache, so reading each page
+ * once where it lies is the whole win. Prefill keeps the PyTorch path (matrix products).
+ *
+ * Semantics are those of tokenfab.kernels.attention.paged_attention_ref with max_query_len 1:
+ * sequence b has ctx[b] keys; its query sits at position ctx[b] - 1; window > 0 keeps the last
+ * `window` keys; softcap > 0 maps logits through softcap * tanh(x / softcap); sinks (one float
+ * per query head, or NULL) join the softmax denominator without a value.
+ *
+ * Layouts (strides in elements; the last dimension of every tensor is contiguous):
+ *   q     [B, Hq, D]            strides q_sb, q_sh
+ *   k     [NB, BS, Hkv, D]      strides k_sblk, k_sslot, k_sh
+ *   v     [NB, BS, Hkv, Dv]     strides v_sblk, v_sslot, v_sh
+ *   table [B, max_blocks] int32 row stride bt_s
+ *   out   [B, Hq, Dv]           contiguous
+ * Work is split over sequences with OpenMP (and over kv heads too when there are few sequences);
+ * a task reads each token's key row (all its heads, contiguous) once and computes every query
+ * head of the GQA groups that share it. Keys
+ * are taken 16 at a time: 16 dot products accumulate in 16 vector registers and are reduced
+ * together by a transpose-add tree (AVX-512), instead of one horizontal sum per dot product.
+ * Softmax is exact (two passes over the scores, which stay in a per-task buffer).
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { TILE = 16 };
+
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *table, *ctx;
+    void *out;
+    int64_t B, Hq, Hkv, D, Dv, BS;
+    int64_t q_sb, q_sh, k_sblk, k_sslot, k_sh, v_sblk, v_sslot, v_sh, bt_s;
+    float scale, softcap;
+    int64_t window;
+    const float *sinks;
+    int bf16;
+} Args;
+
+/* out[i] = dot(q, rows[i]) for i < TILE; rows are D floats each. */
+static inline void dot16(const float *q, const float *const *rows, int64_t D, float *out) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        __m512 acc[TILE];
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 qv = _mm512_loadu_ps(q + c);
+            for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[i] + c), acc[i]);
+        }
+        /* reduce: lane i of the result is the sum of acc[i]'s 16 lanes */
+        __m512 l1[8], l2[4], l3[2];
+        for (int i = 0; i < 8; i++)
+            l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                                  _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+        for (int i = 0; i < 4; i++)
+            l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        for (int i = 0; i < 2; i++)
+            l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_storeu_ps(out, r); /* lane i of r is dot(q, rows[i]) */
+        return;
+    }
+#endif
+    for (int i = 0; i < TILE; i++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += q[d] * rows[i][d];
+        out[i] = s;
+    }
+}
+
+/* ask for the cache lines of [p, p + bytes) ahead of use (random pages defeat the hardware
+ * prefetcher at every block boundary) */
+static inline void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* acc[d] += sum_i p[i] * rows[i][d] over cnt rows of Dv floats */
+static inline void axpy_tile(float *acc, const float *p, const float *const *rows, int cnt, int64_t Dv) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= Dv; c += 16) {
+        __m512 av = _mm512_loadu_ps(acc + c);
+        for (int i = 0; i < cnt; i++) av = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(rows[i] + c), av);
+        _mm512_storeu_ps(acc + c, av);
+    }
+#endif
+    for (; c < Dv; c++) {
+        float x = acc[c];
+        for (int i = 0; i < cnt; i++) x += p[i] * rows[i][c];
+        acc[c] = x;
+    }
+}
+
+/* softmax numerators in place over n logits; returns 1 / denominator (sink joins it). */
+static float softmax_inplace(float *s, int64_t n, int has_sink, float sink) {
+    float m = has_sink ? sink : -FLT_MAX;
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    float sum = has_sink ? expf(sink - m) : 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return 1.0f / sum;
+}
+
+/* Query heads of kv heads [h0, h1) of sequence b; buf holds qf, acc, scores and a row buffer. */
+static void attend(const Args *a, int64_t b, int64_t h0, int64_t h1, float *buf) {
+    const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, nh = h1 - h0, R = nh * G;
+    const int64_t L = a->ctx[b];
+    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
+    const int64_t n = L - start, n_pad = (n + TILE - 1) / TILE * TILE;
+    const int32_t *bt = a->table + b * a->bt_s;
+    const int64_t esz = a->bf16 ? 2 : 4;
+    const int64_t o_off = (b * a->Hq + h0 * G) * Dv;
+    /* bytes of one token's rows for heads h0..h1-1 */
+    const int64_t k_span = ((nh - 1) * a->k_sh + D) * esz, v_span = ((nh - 1) * a->v_sh + Dv) * esz;
+
+    /* rows r = (h - h0) * G + g */
+    float *qf = buf, *acc = qf + R * D, *s = acc + R * Dv, *rowbuf = s + R * n_pad;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t off = b * a->q_sb + (h0 * G + r) * a->q_sh;
+        if (a->bf16)
+            widen_bf16((const uint16_t *)a->q + off, qf + r * D, D);
+        else
+            memcpy(qf + r * D, (const float *)a->q + off, sizeof(float) * D);
+        for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
+    }
+    /* scores s[r][t - start], 16 keys at a time; a token's heads are adjacent in memory */
+    for (int64_t t0 = start; t0 < L; t0 += TILE) {
+        const char *tok[TILE];
+        for (int i = 0; i < TILE; i++) {
+            const int64_t t = t0 + i < L ? t0 + i : L - 1; /* the tail repeats a valid row */
+            tok[i] = (const char *)a->k + ((int64_t)bt[t / BS] * a->k_sblk + (t % BS) * a->k_sslot) * esz;
+        }
+        for (int64_t t = t0 + TILE; t < t0 + 2 * TILE && t < L; t++)
+            prefetch_span((const char *)a->k + ((int64_t)bt[t / BS] * a->k_sblk + (t % BS) * a->k_sslot + h0 * a->k_sh) * esz,
+                          k_span);
+        for (int64_t h = h0; h < h1; h++) {
+            const float *rows[TILE];
+            for (int i = 0; i < TILE; i++) {
+                const char *p = tok[i] + h * a->k_sh * esz;
+                if (a->bf16) {
+                    widen_bf16((const uint16_t *)p, rowbuf + i * D, D);
+                    rows[i] = rowbuf + i * D;
+                } else {
+                    rows[i] = (const float *)p;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = (h - h0) * G + g;
+                dot16(qf + r * D, rows, D, s + r * n_pad + (t0 - start));
+            }
+        }
+    }
+    if (a->softcap > 0.0f)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < n; i++) s[r * n_pad + i] = a->softcap * tanhf(s[r * n_pad + i] / a->softcap);
+    float inv[R];
+    for (int64_t r = 0; r < R; r++)
+        inv[r] = softmax_inplace(s + r * n_pad, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r] : 0.0f);
+    /* acc[r] = sum_t p[r][t] * v[t], 16 values at a time: acc[r] is loaded and stored once per tile */
+    memset(acc, 0, sizeof(float) * R * Dv);
+    for (int64_t t0 = start; t0 < L; t0 += TILE) {
+        const int cnt = L - t0 < TILE ? (int)(L - t0) : TILE;
+        const char *tok[TILE];
+        for (int i = 0; i < cnt; i++) {
+            const int64_t t = t0 + i;
+            tok[i] = (const char *)a->v + ((int64_t)bt[t / BS] * a->v_sblk + (t % BS) * a->v_sslot) * esz;
+        }
+        for (int64_t t = t0 + TILE; t < t0 + 2 * TILE && t < L; t++)
+            prefetch_span((const char *)a->v + ((int64_t)bt[t / BS] * a->v_sblk + (t % BS) * a->v_sslot + h0 * a->v_sh) * esz,
+                          v_span);
+        for (int64_t h = h0; h < h1; h++) {
+            const float *rows[TILE];
+            for (int i = 0; i < cnt; i++) {
+                const char *p = tok[i] + h * a->v_sh * esz;
+                if (a->bf16) {
+                    widen_bf16((const uint16_t *)p, rowbuf + i * Dv, Dv);
+                    rows[i] = rowbuf + i * Dv;
+                } else {
+                    rows[i] = (const float *)p;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = (h - h0) * G + g;
+                axpy_tile(acc + r * Dv, s + r * n_pad + (t0 - start), rows, cnt, Dv);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < Dv; d++) {
+            const float x = acc[r * Dv + d] * inv[r];
+            if (a->bf16)
+                ((uint16_t *)a->out)[o_off + r * Dv + d] = f32_to_bf16(x);
+            else
+                ((float *)a->out)[o_off + r * Dv + d] = x;
+        }
+}
+
+static void run(const Args *a) {
+    const int64_t G = a->Hq / a->Hkv;
+    /* one task per sequence reads each token's heads as one contiguous row; with few sequences
+     * the kv heads are split so every thread has work */
+    int64_t splits = 1;
+    const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    while (splits < a->Hkv && a->B * splits < want) splits++;
+    const int64_t per = (a->Hkv + splits - 1) / splits;
+    const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
+#pragma omp parallel
+    {
+        float *buf = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < a->B * splits; task++) {
+            const int64_t b = task / splits, h0 = (task % splits) * per;
+            const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
+            if (h0 >= h1) continue;
+            const int64_t R = (h1 - h0) * G;
+            if (a->ctx[b] <= 0) {
+                for (int64_t i = 0; i < R * a->Dv; i++) {
+                    const int64_t o = (b * a->Hq + h0 * G) * a->Dv + i;
+                    if (a->bf16)
+                        ((uint16_t *)a->out)[o] = 0;
+                    else
+                        ((float *)a->out)[o] = 0.0f;
+                }
+                continue;
+            }
+            const int64_t need = R * (a->D + a->Dv + a->ctx[b] + TILE) + rowbuf;
+            if (need > cap) {
+                free(buf);
+                buf = malloc(sizeof(float) * need);
+                cap = need;
+            }
+            attend(a, b, h0, h1, buf);
+        }
+        free(buf);
+    }
+}
+
+#define ENTRY(NAME, IS_BF16)                                                                                  \
+    void NAME(const void *q, const void *k, const void *v, const int32_t *table, const int32_t *ctx, void *out, \
+              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t BS, int64_t q_sb, int64_t q_sh, \
+              int64_t k_sblk, int64_t k_sslot, int64_t k_sh, int64_t v_sblk, int64_t v_sslot, int64_t v_sh,      \
+              int64_t bt_s, float scale, int64_t window, float softcap, const float *sinks) {                  \
+        Args a = {q,     k,      v,       table,   ctx,   out,    B,    Hq,      Hkv,     D,     Dv,          \
+                  BS,    q_sb,   q_sh,    k_sblk,  k_sslot, k_sh, v_sblk, v_sslot, v_sh,  bt_s,  scale,       \
+                  softcap, window, sinks, IS_BF16};                                                             \
+        run(&a);                                                                                                \
+    }
+
+ENTRY(paged_decode_f32, 0)
+ENTRY(paged_decode_bf16, 1)
