@@ -65,21 +65,28 @@ def paged_attention_ref(
     dv = v_cache.shape[-1]
     if t == 0 or b == 0:
         return q.new_empty(t, hq, dv)
-    if max_query_len > 1:
-        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        is_decode = q_lens == 1
-        if bool(is_decode.any()) and not bool(is_decode.all()):
-            return _split_decodes(paged_attention_ref, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                  context_lens, q_lens, is_decode, scale, sliding_window, softcap, sinks)
     hkv = k_cache.shape[2]
-    k = _gather_kv(k_cache, block_tables, max_context_len)
-    v = _gather_kv(v_cache, block_tables, max_context_len)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
     dev = q.device
-    plain = softcap <= 0.0 and sinks is None and sliding_window <= 0 and q.dtype == k.dtype
-    if max_query_len > 1 and plain and bool((ctx == q_lens).all()):
-        return _fresh_prefill(q, k, v, cu_seqlens_q, q_lens, max_query_len, scale)
+    plain = softcap <= 0.0 and sinks is None and sliding_window <= 0 and q.dtype == k_cache.dtype
+    if max_query_len > 1:
+        # decodes, fresh prompts (nothing cached: the is_causal path) and the rest each run as
+        # their own batch, so that none is padded to another's longest row
+        groups = [q_lens == 1]
+        if plain:
+            fresh = (q_lens == ctx) & (q_lens > 1)
+            groups += [fresh, ~groups[0] & ~fresh]
+        else:
+            groups.append(~groups[0])
+        present = [g for g in groups if bool(g.any())]
+        if len(present) > 1:
+            return _split_rows(paged_attention_ref, q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                               context_lens, q_lens, present, scale, sliding_window, softcap, sinks)
+        if plain and bool(groups[1].any()):
+            return _fresh_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, q_lens, scale)
+    k = _gather_kv(k_cache, block_tables, max_context_len)
+    v = _gather_kv(v_cache, block_tables, max_context_len)
     if max_query_len == 1:
         q_pad = q.view(b, 1, hq, d)
         seq_idx = tok_idx = None
@@ -123,33 +130,52 @@ def paged_attention_ref(
     return out[seq_idx, tok_idx]
 
 
-def _fresh_prefill(q, k, v, cu_seqlens_q, q_lens, max_query_len, scale) -> torch.Tensor:
+# prompts of a fresh prefill are attended in this many groups of similar length
+FRESH_PREFILL_GROUPS = 4
+
+
+def _fresh_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, q_lens, scale) -> torch.Tensor:
     """Prompts with nothing cached: causal attention over right-padded rows, no mask tensor.
 
     With right padding, query i of a sequence sees keys 0..i, all of them its own (i < q_len),
     so SDPA's is_causal is exact for the real rows and skips the blocks above the diagonal;
-    padded rows compute on finite cache contents and are dropped.
+    padded rows compute on finite cache contents and are dropped. The prompts are sorted by
+    length and attended in a few groups, each padded only to its own longest prompt (for
+    lengths spread evenly, 4 groups do about half the work of one padded batch).
     """
     t, hq, d = q.shape
     b = q_lens.shape[0]
-    hkv = k.shape[2]
-    seq_idx = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=t)
-    tok_idx = torch.arange(t, device=q.device) - cu_seqlens_q[:-1].long()[seq_idx]
-    q_pad = q.new_zeros(b, max_query_len, hq, d)
-    q_pad[seq_idx, tok_idx] = q
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=hq != hkv,
-    )
-    return out.transpose(1, 2)[seq_idx, tok_idx]
+    hkv = k_cache.shape[2]
+    out = q.new_empty(t, hq, v_cache.shape[-1])
+    order = torch.argsort(q_lens, descending=True, stable=True)
+    starts = cu_seqlens_q[:-1].long()
+    n_groups = min(FRESH_PREFILL_GROUPS, b)
+    for g in range(n_groups):
+        seqs = order[g * b // n_groups : (g + 1) * b // n_groups]
+        lens = q_lens[seqs]
+        longest = int(lens[0])
+        seq_idx = torch.repeat_interleave(torch.arange(seqs.numel(), device=q.device), lens)
+        first = torch.cumsum(lens, 0) - lens
+        tok_idx = torch.arange(seq_idx.numel(), device=q.device) - first[seq_idx]
+        rows = starts[seqs][seq_idx] + tok_idx  # the group's tokens in q
+        q_pad = q.new_zeros(seqs.numel(), longest, hq, d)
+        q_pad[seq_idx, tok_idx] = q[rows]
+        k = _gather_kv(k_cache, block_tables[seqs], longest)
+        v = _gather_kv(v_cache, block_tables[seqs], longest)
+        o = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=hq != hkv,
+        )
+        out[rows] = o.transpose(1, 2)[seq_idx, tok_idx]
+    return out
 
 
-def _split_decodes(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, is_decode, scale,
-                   sliding_window, softcap, sinks) -> torch.Tensor:
-    """``attend`` (a paged_attention variant) over the decode rows and the prefill rows of a mixed batch
-    separately."""
+def _split_rows(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, groups, scale,
+                sliding_window, softcap, sinks) -> torch.Tensor:
+    """``attend`` (a paged_attention variant) over each group of sequences (boolean masks over
+    the batch) separately."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    for rows in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)):
+    for rows in (g.nonzero().squeeze(1) for g in groups):
         lens = q_lens[rows]
         cu = torch.zeros(rows.numel() + 1, dtype=cu_seqlens_q.dtype, device=q.device)
         cu[1:] = lens.cumsum(0)
@@ -214,8 +240,8 @@ def paged_attention_cpu(
     if not bool(is_decode.any()):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
                                    max_context_len, scale, sliding_window, softcap, sinks)
-    return _split_decodes(paged_attention_cpu, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                          q_lens, is_decode, scale, sliding_window, softcap, sinks)
+    return _split_rows(paged_attention_cpu, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                       q_lens, [is_decode, ~is_decode], scale, sliding_window, softcap, sinks)
 
 
 def prefill_attention_ref(
