@@ -4,13 +4,15 @@ Workload: N requests with prompts of random token ids (uniform lengths in [min, 
 exactly ``--output-len`` generated tokens each (EOS ignored, so both engines do the same
 work). transformers runs the same requests, greedy, in padded batches at each batch size
 of ``--hf-batch-sizes``; its best is the peer. Both run in this process, one after the
-other, on the same weights.
+other, on the same weights; with ``--repeats N`` the pair runs N times interleaved and the
+reported ratio is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 from tokenfab.bench.common import git_commit, machine, markdown_table, write_json
@@ -28,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of (tokenfab, each peer batch size), interleaved; the ratio reported is the "
+                        "median of the rounds' ratios (these machines' speed drifts by 10%% and more)")
     p.add_argument("--json", default=None, help="write the report here")
 
 
@@ -92,28 +97,33 @@ def run(args: argparse.Namespace) -> int:
     from tokenfab.loader.bundled import bundled_model_path
 
     path = Path(args.model) if args.model else bundled_model_path()
-    ours, prompts, llm = run_tokenfab(args)
-    engine = llm.engine
-    device, model_name, dtype = engine.device, engine.model_name, str(engine.dtype)
-    torch_dtype = engine.dtype
-    del llm, engine
-    results = [ours]
-    for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]:
-        results.append(run_transformers(args, prompts, path, bs, device, torch_dtype))
-    peers = results[1:]
-    best = max(peers, key=lambda r: r["output_tok_s"]) if peers else None
-    ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
-    rows = [[r["engine"], r["output_tokens"], r["seconds"], r["output_tok_s"], r["total_tok_s"]] for r in results]
+    hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
+    rounds = []
+    for _ in range(max(args.repeats, 1)):
+        ours, prompts, llm = run_tokenfab(args)
+        engine = llm.engine
+        device, model_name, dtype = engine.device, engine.model_name, str(engine.dtype)
+        torch_dtype = engine.dtype
+        del llm, engine
+        results = [ours] + [run_transformers(args, prompts, path, bs, device, torch_dtype) for bs in hf_sizes]
+        best = max(results[1:], key=lambda r: r["output_tok_s"]) if hf_sizes else None
+        ratio = ours["output_tok_s"] / best["output_tok_s"] if best else None
+        rounds.append({"results": results, "best_peer": best["engine"] if best else None, "ratio": ratio})
     print(f"model {model_name} ({dtype}) on {device}; {args.num_requests} requests, prompts "
           f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each")
-    print(markdown_table(["engine", "output tokens", "seconds", "output tok/s", "total tok/s"], rows))
+    rows = [[i + 1, r["engine"], r["output_tokens"], r["seconds"], r["output_tok_s"], r["total_tok_s"]]
+            for i, rnd in enumerate(rounds) for r in rnd["results"]]
+    print(markdown_table(["round", "engine", "output tokens", "seconds", "output tok/s", "total tok/s"], rows))
+    ratios = [r["ratio"] for r in rounds if r["ratio"] is not None]
+    ratio = statistics.median(ratios) if ratios else None
     if ratio is not None:
-        print(f"\ntokenfab / best transformers ({best['engine']}): {ratio:.2f}x output tokens/s")
+        each = ", ".join(f"{x:.2f}x" for x in ratios)
+        print(f"\ntokenfab / best transformers, output tokens/s: {ratio:.2f}x (median of rounds: {each})")
     write_json(args.json, {
         "benchmark": "throughput", "machine": machine(), "commit": git_commit(), "model": model_name,
         "dtype": dtype, "device": str(device),
         "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt_len, args.max_prompt_len],
-                     "output_len": args.output_len},
-        "results": results, "ratio_vs_best_peer": ratio,
+                     "output_len": args.output_len, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "rounds": rounds, "ratios": ratios, "ratio_vs_best_peer": ratio,
     })
     return 0
