@@ -211,3 +211,46 @@ def test_build_errors_are_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(tmp_path))
     with pytest.raises(subprocess.CalledProcessError):
         native_lib._build("false")
+
+
+PORTABLE_CHECK = """
+import torch
+from tests.kernels.test_attention import _batch
+from tests.kernels.tolerances import assert_close
+from tokenfab.kernels import activation, attention, norm, rope
+from tokenfab.kernels.cpu import attention as na, elementwise as ne, native_library
+assert native_library() is not None
+gen = torch.Generator().manual_seed(5)
+for dtype in (torch.float32, torch.bfloat16):
+    for hq, hkv, d in ((8, 2, 64), (6, 3, 20)):
+        ctx_lens = [1, 16, 17, 90]
+        q, kc, vc, bt, _, ctx = _batch([1] * 4, ctx_lens, hq, hkv, d, 16, dtype, gen, "cpu")
+        assert_close(na.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.2, 0, 20.0),
+                     attention.paged_decode_attention_ref(q, kc, vc, bt, ctx, 90, 0.2, 0, 20.0))
+    x = torch.randn(33, 96, generator=gen).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    assert_close(ne.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+    assert_close(ne.silu_and_mul(x), activation.silu_and_mul_ref(x))
+    qk = torch.randn(5, 4, 32, generator=gen).to(dtype)
+    pos = torch.arange(5)
+    cs = torch.randn(10, 32, generator=gen)
+    assert_close(ne.rotary_embedding(pos, qk, qk, cs, True)[0], rope.rotary_embedding_ref(pos, qk, qk, cs, True)[0])
+logits = torch.randn(4, 333, generator=gen)
+assert torch.equal(ne.argmax(logits), logits.argmax(-1))
+print("portable ok")
+"""
+
+
+def test_portable_build_without_avx512(tmp_path):
+    """Machines without AVX-512 (or AVX512-BF16) run the kernels' portable loops: build the
+    library for plain x86-64-v2 into a fresh cache and check it against the references."""
+    import os
+    import sys
+
+    env = dict(os.environ, TOKENFAB_CPU_CFLAGS="-march=x86-64-v2", TOKENFAB_CACHE_DIR=str(tmp_path))
+    env.pop("TOKENFAB_CPU_NATIVE", None)
+    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "portable ok" in proc.stdout
+    assert list((tmp_path / "cpu_kernels").glob("tokenfab_cpu_*.so"))

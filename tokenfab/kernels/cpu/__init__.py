@@ -65,14 +65,21 @@ def _cpu_signature() -> str:
     return "\n".join(lines)
 
 
+def _compile_flags() -> list[str]:
+    """The flags, plus ``TOKENFAB_CPU_CFLAGS`` (e.g. ``-march=x86-64-v2`` to build the portable
+    code paths that machines without AVX-512 run; tests use it)."""
+    return _COMPILE_FLAGS + os.environ.get("TOKENFAB_CPU_CFLAGS", "").split()
+
+
 def _build(cc: str) -> Path:
     here = Path(__file__).parent
+    flags = _compile_flags()
     sources = [here / s for s in _SOURCES]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
     inputs = [*sources, *(here / h for h in _HEADERS)]
     for part in [*(f.read_bytes() for f in inputs), version.encode(), _cpu_signature().encode(),
-                 " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()]:
+                 " ".join(flags + _LINK_FLAGS).encode()]:
         key.update(part)
     out = cache_dir() / f"tokenfab_cpu_{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -82,7 +89,7 @@ def _build(cc: str) -> Path:
         objects = []
         for src in sources:
             obj = Path(tmp) / (src.stem + ".o")
-            subprocess.run([cc, *_COMPILE_FLAGS, f"-I{here}", "-c", str(src), "-o", str(obj)], check=True,
+            subprocess.run([cc, *flags, f"-I{here}", "-c", str(src), "-o", str(obj)], check=True,
                            capture_output=True, text=True)
             objects.append(str(obj))
         lib = Path(tmp) / out.name
