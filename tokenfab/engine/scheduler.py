@@ -69,7 +69,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
-        if seq in self.running:
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -94,8 +94,8 @@ class Scheduler:
         # 1. running sequences: decodes first, then unfinished prefill chunks
         ordered = sorted(self.running, key=lambda s: (not s.is_decoding, s.sort_key))
         for seq in ordered:
-            if seq not in self.running:
-                continue  # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop (a status check: list membership is O(n))
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -108,7 +108,7 @@ class Scheduler:
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.status != SequenceStatus.RUNNING:
                 continue
             self.bm.allocate(seq, n)
             batch.add(seq, n)

@@ -32,6 +32,8 @@ class Sequence:
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)
+        # one copy, handed to every step's output (not re-sliced per step: prompts can be long)
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.base_seed = base_seed
