@@ -159,6 +159,24 @@ def test_rotary(d, rot, is_neox, dtype, gen):
     assert_close(out_k, ref_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype, gen):
+    """Strided k/v (views of a fused qkv), slot -1 skipped, int32 and int64 slot mappings."""
+    from tokenfab.kernels import kv_cache
+
+    t, h, d = 6, 2, 24
+    qkv = torch.randn(t, 4 * h * d, generator=gen).to(dtype)
+    k = qkv[:, 2 * h * d : 3 * h * d].view(t, h, d)
+    v = qkv[:, 3 * h * d :].view(t, h, d)
+    slots = torch.tensor([5, -1, 0, 17, 31, 8])
+    for slot_mapping in (slots, slots.int()):
+        caches = [torch.randn(4, 8, h, d, generator=gen).to(dtype) for _ in range(2)]
+        expected = [c.clone() for c in caches]
+        assert native.store_kv(k, v, caches[0], caches[1], slot_mapping)
+        kv_cache.store_kv_ref(k, v, expected[0], expected[1], slot_mapping)
+        assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 def test_argmax_first_maximum_and_nan(gen):
     x = torch.randn(9, 1000, generator=gen)
     x[2, 10] = x[2, 500] = 50.0  # a tie: the first wins

@@ -46,7 +46,6 @@ rms_norm = _eager_fast_path(norm.rms_norm, norm.rms_norm_ref, native.rms_norm)
 add_rms_norm = _eager_fast_path(norm.add_rms_norm, norm.add_rms_norm_ref, native.add_rms_norm)
 silu_and_mul = _eager_fast_path(activation.silu_and_mul, activation.silu_and_mul_ref, native.silu_and_mul)
 gelu_and_mul = _eager_fast_path(activation.gelu_and_mul, activation.gelu_and_mul_ref)
-store_kv = _eager_fast_path(kv_cache.store_kv, kv_cache.store_kv_ref)
 paged_attention = _eager_fast_path(attention.paged_attention, _paged_attention_cpu)
 sample = _eager_fast_path(sampling.sample, sampling.sample_ref)
 
@@ -60,6 +59,15 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if out is not None:
         return out
     return rope.rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """This step's keys/values into the paged cache (in place; slot -1 skipped)."""
+    if torch.compiler.is_compiling() or use_triton(k):
+        kv_cache.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    elif native.store_kv(k, v, k_cache, v_cache, slot_mapping) is None:
+        kv_cache.store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

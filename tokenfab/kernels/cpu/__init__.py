@@ -107,6 +107,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "silu_and_mul": [p, i64, p, i64, i64, i64, i32],
         "rotary": [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32],
         "argmax_rows": [p, i64, i64, p],
+        "store_kv": [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

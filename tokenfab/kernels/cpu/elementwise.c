@@ -142,3 +142,20 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
         out[r] = best;
     }
 }
+
+/* k [T, H, D] (strides k_st, k_sh) and v [T, H, Dv] go to the paged caches [NB, BS, H, D|Dv]
+ * (contiguous) at slot slots[t] = block * BS + offset; slot -1 is skipped. Same dtype in and out. */
+void store_kv(const void *k, int64_t k_st, int64_t k_sh, const void *v, int64_t v_st, int64_t v_sh, void *k_cache,
+              void *v_cache, const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t Dv, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * H * (D + Dv) >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy((char *)k_cache + ((slot * H + h) * D) * esz, (const char *)k + (t * k_st + h * k_sh) * esz, D * esz);
+            memcpy((char *)v_cache + ((slot * H + h) * Dv) * esz, (const char *)v + (t * v_st + h * v_sh) * esz,
+                   Dv * esz);
+        }
+    }
+}

@@ -1,4 +1,5 @@
-"""ctypes wrappers of ``elementwise.c``: RMSNorm (+ residual), SiLU-and-mul, RoPE, row argmax.
+"""ctypes wrappers of ``elementwise.c``: RMSNorm (+ residual), SiLU-and-mul, RoPE, row argmax,
+KV-cache store.
 
 Each wrapper has its reference's signature and returns None when it cannot take the tensors
 (not CPU, a dtype other than float32/bfloat16, rows without one common stride, no compiler);
@@ -110,3 +111,20 @@ def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     if x.shape[0] and x.shape[1]:
         lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool | None:
+    """Write k [T, H, D], v [T, H, Dv] into the paged caches at ``slot_mapping`` (-1 skipped).
+    Returns True when done, None when it cannot take the tensors (the reference then runs)."""
+    lib = native_library()
+    if (lib is None or not _usable(k, v, k_cache, v_cache) or k.dim() != 3 or v.dim() != 3
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or slot_mapping.device.type != "cpu"):
+        return None
+    t, h, d = k.shape
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    slots = slots.contiguous()
+    lib.store_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(),
+                 v_cache.data_ptr(), slots.data_ptr(), t, h, d, v.shape[-1], int(k.dtype == torch.bfloat16))
+    return True
