@@ -3,7 +3,8 @@
 They are the CPU fast path where the PyTorch reference is far from the machine's limit:
 paged decode attention (the reference must first gather every sequence's pages into one
 padded block), and the row-wise ops of every layer (RMSNorm with the residual add, SiLU-and-
-mul, RoPE, the greedy argmax), which the reference runs as several passes with temporaries.
+mul, RoPE, the greedy argmax, the KV store), which the reference runs as several passes with
+temporaries.
 Each is tested against its reference in ``tests/kernels/test_cpu_native.py``.
 
 The library is built once per (source, compiler, CPU) into ``$TOKENFAB_CACHE_DIR`` (default
