@@ -36,17 +36,11 @@ def _eager_fast_path(op: Callable, ref: Callable, native_op: Callable | None = N
     return call
 
 
-def _paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-                         max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None):
-    return attention.paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                         max_query_len, max_context_len, scale, sliding_window, softcap, sinks)
-
-
 rms_norm = _eager_fast_path(norm.rms_norm, norm.rms_norm_ref, native.rms_norm)
 add_rms_norm = _eager_fast_path(norm.add_rms_norm, norm.add_rms_norm_ref, native.add_rms_norm)
 silu_and_mul = _eager_fast_path(activation.silu_and_mul, activation.silu_and_mul_ref, native.silu_and_mul)
 gelu_and_mul = _eager_fast_path(activation.gelu_and_mul, activation.gelu_and_mul_ref)
-paged_attention = _eager_fast_path(attention.paged_attention, _paged_attention_cpu)
+paged_attention = _eager_fast_path(attention.paged_attention, attention.paged_attention_cpu)
 sample = _eager_fast_path(sampling.sample, sampling.sample_ref)
 
 
