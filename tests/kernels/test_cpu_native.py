@@ -74,14 +74,55 @@ def test_decode_attention_empty_batch():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_cpu_path_on_mixed_batches(case, dtype, gen):
-    """paged_attention_cpu (native decode rows + reference prefill rows) equals the reference,
-    with the case's prefill chunks mixed with decodes."""
+    """paged_attention_cpu (one native call for decode rows and prefill chunks) equals the
+    reference, with the case's prefill chunks mixed with decodes."""
     q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = case
     q_lens, ctx_lens = q_lens + [1, 1], ctx_lens + [1, 50]
     q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu")
     sinks = _sinks(use_sinks, hq, gen, "cpu")
     args = (q, kc, vc, bt, cu, ctx, max(q_lens), max(ctx_lens), d**-0.5, window, softcap, sinks)
     assert_close(attention.paged_attention_cpu(*args), attention.paged_attention_ref(*args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_attention(case, dtype, gen):
+    """The native kernel on prefill chunks alone (cached prefixes, windows, softcap, sinks)."""
+    q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = case
+    q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu")
+    sinks = _sinks(use_sinks, hq, gen, "cpu")
+    out = native_attention.paged_attention_native(q, kc, vc, bt, cu, ctx, d**-0.5, window, softcap, sinks)
+    ref = attention.paged_attention_ref(q, kc, vc, bt, cu, ctx, max(q_lens), max(ctx_lens), d**-0.5, window,
+                                        softcap, sinks)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,dv,bs", [(16, 1, 576, 512, 16), (8, 8, 128, 128, 8), (96, 1, 32, 32, 16),
+                                            (7, 7, 20, 20, 4)])
+def test_prefill_attention_head_shapes(hq, hkv, d, dv, bs, dtype, gen):
+    """MLA's absorbed shape, MHA with pages smaller than a 16-key tile, a group wider than 64
+    query heads (one token per block), a head dim that is not a multiple of 16."""
+    q_lens, ctx_lens = [23, 1, 70, 2], [23, 40, 90, 2]
+    q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu", dv=dv)
+    out = native_attention.paged_attention_native(q, kc, vc, bt, cu, ctx, 0.1)
+    ref = attention.paged_attention_ref(q, kc, vc, bt, cu, ctx, max(q_lens), max(ctx_lens), 0.1)
+    assert_close(out, ref)
+
+
+def test_prefill_attention_strided_q_and_bad_offsets(gen):
+    """q as a view into a fused qkv; offsets that do not match q are refused, not read past."""
+    q_lens, ctx_lens, hq, hkv, d = [30, 1, 5], [40, 12, 5], 4, 2, 32
+    q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, 16, torch.float32, gen, "cpu")
+    qkv = torch.randn(q.shape[0], (hq + 2 * hkv) * d, generator=gen)
+    qkv[:, : hq * d] = q.reshape(q.shape[0], -1)
+    q_view = qkv[:, : hq * d].view(q.shape[0], hq, d)
+    out = native_attention.paged_attention_native(q_view, kc, vc, bt.long(), cu.long(), ctx.long(), 0.3)
+    assert_close(out, attention.paged_attention_ref(q, kc, vc, bt, cu, ctx, 30, 40, 0.3))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        native_attention.paged_attention_native(q[:-1], kc, vc, bt, cu, ctx, 0.3)
+    with pytest.raises(ValueError, match="one query per sequence"):
+        native_attention.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.3)
 
 
 def test_fresh_prefill_shortcut_equals_masked_path(gen):
@@ -245,6 +286,9 @@ for dtype in (torch.float32, torch.bfloat16):
         q, kc, vc, bt, _, ctx = _batch([1] * 4, ctx_lens, hq, hkv, d, 16, dtype, gen, "cpu")
         assert_close(na.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.2, 0, 20.0),
                      attention.paged_decode_attention_ref(q, kc, vc, bt, ctx, 90, 0.2, 0, 20.0))
+        q, kc, vc, bt, cu, ctx = _batch([1, 40, 3], [9, 40, 70], hq, hkv, d, 16, dtype, gen, "cpu")
+        assert_close(na.paged_attention_native(q, kc, vc, bt, cu, ctx, 0.2, 30),
+                     attention.paged_attention_ref(q, kc, vc, bt, cu, ctx, 40, 70, 0.2, 30))
     x = torch.randn(33, 96, generator=gen).to(dtype)
     w = torch.randn(96, generator=gen).to(dtype)
     assert_close(ne.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))

@@ -226,22 +226,17 @@ def paged_attention_cpu(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The CPU fast path of ``paged_attention``: decode rows through the native C kernel, which
-    reads the pages in place (``kernels/cpu``), prefill rows through the reference (SDPA). Falls
-    back to the reference entirely where the native kernel is unavailable."""
+    """The CPU fast path of ``paged_attention``: the native C kernel (``kernels/cpu``), which reads
+    the pages in place for decode rows and prefill chunks alike, in one call per layer. Falls back
+    to the reference where the native kernel is unavailable."""
     if not native_attention.supports(q, k_cache, v_cache) or q.shape[0] == 0:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
                                    max_context_len, scale, sliding_window, softcap, sinks)
     if max_query_len == 1:
         return native_attention.paged_decode_attention_native(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks)
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    is_decode = q_lens == 1
-    if not bool(is_decode.any()):
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-                                   max_context_len, scale, sliding_window, softcap, sinks)
-    return _split_rows(paged_attention_cpu, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                       q_lens, [is_decode, ~is_decode], scale, sliding_window, softcap, sinks)
+    return native_attention.paged_attention_native(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                   scale, sliding_window, softcap, sinks)
 
 
 def prefill_attention_ref(

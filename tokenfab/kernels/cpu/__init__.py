@@ -1,8 +1,8 @@
 """Native CPU kernels: small C files compiled on first use with the system C compiler.
 
 They are the CPU fast path where the PyTorch reference is far from the machine's limit:
-paged decode attention (the reference must first gather every sequence's pages into one
-padded block), and the row-wise ops of every layer (RMSNorm with the residual add, SiLU-and-
+paged attention, decode and prefill (the reference must first gather every sequence's pages
+into one padded block), and the row-wise ops of every layer (RMSNorm with the residual add, SiLU-and-
 mul, RoPE, the greedy argmax, the KV store), which the reference runs as several passes with
 temporaries.
 Each is tested against its reference in ``tests/kernels/test_cpu_native.py``.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "elementwise.c")
+_SOURCES = ("paged_attention.c", "elementwise.c")
 _HEADERS = ("common.h",)
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
@@ -102,8 +102,8 @@ def _build(cc: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
-        "paged_decode_f32": [p] * 6 + [i64] * 15 + [f32, i64, f32, p],
-        "paged_decode_bf16": [p] * 6 + [i64] * 15 + [f32, i64, f32, p],
+        "paged_attention_f32": [p] * 7 + [i64] * 15 + [f32, i64, f32, p],
+        "paged_attention_bf16": [p] * 7 + [i64] * 15 + [f32, i64, f32, p],
         "rms_norm": [p, i64, i64, i64, p, i64, p, p, i64, i64, i64, f32, i32],
         "silu_and_mul": [p, i64, p, i64, i64, i64, i32],
         "rotary": [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32],

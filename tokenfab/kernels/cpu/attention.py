@@ -1,4 +1,5 @@
-"""ctypes wrapper of ``paged_decode.c``: paged decode attention reading the cache in place."""
+"""ctypes wrapper of ``paged_attention.c``: paged attention (decode and prefill rows) reading the
+cache in place."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 
 from tokenfab.kernels.cpu import native_library
 
-_FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_FUNCTIONS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -22,6 +23,59 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     )
 
 
+def paged_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, Dv]; the contract of ``paged_attention_ref``: sequence b's
+    queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` at its last positions. With
+    ``cu_seqlens_q`` None every sequence has one query (decode, T = B).
+
+    The caller checks ``supports`` first. Index tensors are converted to contiguous int32
+    (cheap: [B], [B + 1] and [B, max_blocks]).
+    """
+    lib = native_library()
+    t, hq, d = q.shape
+    _, bs, hkv, dv = v_cache.shape
+    b = context_lens.shape[0]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    cu = None
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        if cu.shape[0] != b + 1 or int(cu[-1]) != t:
+            raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
+    elif t != b:
+        raise ValueError(f"decode attention takes one query per sequence: {t} rows for {b} sequences")
+    out = q.new_empty(t, hq, dv)
+    if t == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    ctx = context_lens.to(torch.int32).contiguous()
+    sinks_f = sinks.float().contiguous() if sinks is not None else None
+    fn = getattr(lib, _FUNCTIONS[q.dtype])
+    fn(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        cu.data_ptr() if cu is not None else None, ctx.data_ptr(), out.data_ptr(),
+        b, hq, hkv, d, dv, bs, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
+        float(scale), int(sliding_window), float(softcap),
+        sinks_f.data_ptr() if sinks_f is not None else None,
+    )
+    return out
+
+
 def paged_decode_attention_native(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -33,31 +87,6 @@ def paged_decode_attention_native(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, Dv]; same contract as ``paged_decode_attention_ref``.
-
-    The caller checks ``supports`` first. Index tensors are converted to contiguous int32
-    (cheap: [B] and [B, max_blocks]).
-    """
-    lib = native_library()
-    b, hq, d = q.shape
-    _, bs, hkv, dv = v_cache.shape
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    out = q.new_empty(b, hq, dv)
-    if b == 0:
-        return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    ctx = context_lens.to(torch.int32).contiguous()
-    sinks_f = sinks.float().contiguous() if sinks is not None else None
-    fn = getattr(lib, _FUNCTIONS[q.dtype])
-    fn(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(),
-        b, hq, hkv, d, dv, bs, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0),
-        float(scale), int(sliding_window), float(softcap),
-        sinks_f.data_ptr() if sinks_f is not None else None,
-    )
-    return out
+    """q [B, Hq, D] -> [B, Hq, Dv]; same contract as ``paged_decode_attention_ref``."""
+    return paged_attention_native(q, k_cache, v_cache, block_tables, None, context_lens, scale, sliding_window,
+                                  softcap, sinks)

@@ -1,0 +1,593 @@
+/*
+ * Paged attention for the CPU: keys and values read in place from the paged cache (no gather
+ * copy, no padding to the longest context), for decode rows and prefill chunks alike.
+ *
+ * Why C: on CPU the PyTorch reference has to copy every sequence's pages into one padded
+ * block before it can call SDPA; at 64 sequences that copy plus the padded attention was ~45%
+ * of a decode step. In a 4,096-token prefill step the copies, the padding and the index
+ * bookkeeping around SDPA took as long as SDPA itself.
+ *
+ * Semantics are those of tokenfab.kernels.attention.paged_attention_ref: sequence b has ctx[b]
+ * keys; its q_len[b] queries sit at positions ctx[b] - q_len[b] .. ctx[b] - 1 and see the keys
+ * at or before their own position; window > 0 keeps the last `window` of those; softcap > 0 maps
+ * logits through softcap * tanh(x / softcap); sinks (one float per query head, or NULL) join
+ * the softmax denominator without a value.
+ *
+ * Layouts (strides in elements; the last dimension of every tensor is contiguous):
+ *   q     [T, Hq, D]            strides q_st, q_sh
+ *   k     [NB, BS, Hkv, D]      strides k_sblk, k_sslot, k_sh
+ *   v     [NB, BS, Hkv, Dv]     strides v_sblk, v_sslot, v_sh
+ *   table [B, max_blocks] int32 row stride bt_s
+ *   cu    [B + 1] int32         query rows of sequence b are cu[b] .. cu[b+1]-1; NULL: T = B, one each
+ *   out   [T, Hq, Dv]           contiguous
+ *
+ * Decode rows (one query) run `attend`: one task per sequence (and per kv-head range when there
+ * are few sequences) reads each token's key row (all its heads, contiguous) once and computes
+ * every query head of the GQA groups that share it. Keys are taken 16 at a time: 16 dot
+ * products accumulate in 16 vector registers and are reduced together by a transpose-add tree
+ * (AVX-512), instead of one horizontal sum per dot product. Softmax is exact (two passes over
+ * the scores, which stay in a per-task buffer).
+ *
+ * Prefill chunks run `attend_block`: a task is a block of up to 16 query tokens of one kv head's
+ * GQA group, so each 16-key tile read from the cache serves up to 64 query rows; one pass with
+ * an online softmax, causal (and window) masks per row. Tasks are ordered by cost, longest first.
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+/* PF_TILES: how many 16-token tiles ahead the next rows are prefetched. The prefetches of one
+ * tile are spread over the dot products (or value updates) of the current one: issued in one
+ * burst, ~200 of them stall the core once its fill buffers are full (perf showed half the
+ * kernel's time on the prefetch loop); spread out, the kernel reads ~10% faster. */
+enum { TILE = 16, PF_TILES = 2 };
+/* keys per step of a prefill block: one softmax update (max, exp, rescale) per 64 keys */
+enum { KSTEP = 4 * TILE };
+
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *table, *cu, *ctx;
+    void *out;
+    int64_t B, Hq, Hkv, D, Dv, BS;
+    int64_t q_st, q_sh, k_sblk, k_sslot, k_sh, v_sblk, v_sslot, v_sh, bt_s;
+    float scale, softcap;
+    int64_t window;
+    const float *sinks;
+    int bf16;
+} Args;
+
+#ifdef __AVX512F__
+/* lane i of the result is the sum of acc[i]'s 16 lanes: a transpose-add tree, 15 shuffle-add
+ * steps for 16 dot products instead of 16 horizontal sums */
+static inline __m512 reduce16(const __m512 *acc) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++)
+        l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                              _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#ifdef __AVX512BF16__
+#define HAVE_DOT16_BF16 1
+/* out[i] = scale * dot(q, rows[i]) for bfloat16 q and rows of D elements (D % 32 == 0): the
+ * bf16 pair products are exact in float and summed in float (vdpbf16ps), with no widening. */
+static inline void dot16_bf16(const uint16_t *q, const uint16_t *const *rows, int64_t D, float scale, float *out) {
+    __m512 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+        __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(rows[i] + c));
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+#else
+#define HAVE_DOT16_BF16 0
+#endif
+
+/* out[i] = dot(q, rows[i]) for i < TILE; rows are D floats each. */
+static inline void dot16(const float *q, const float *const *rows, int64_t D, float *out) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        __m512 acc[TILE];
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 qv = _mm512_loadu_ps(q + c);
+            for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[i] + c), acc[i]);
+        }
+        __m512 r = reduce16(acc);
+        _mm512_storeu_ps(out, r); /* lane i of r is dot(q, rows[i]) */
+        return;
+    }
+#endif
+    for (int i = 0; i < TILE; i++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += q[d] * rows[i][d];
+        out[i] = s;
+    }
+}
+
+/* ask for the cache lines of [p, p + bytes) ahead of use (random pages defeat the hardware
+ * prefetcher at every block boundary); locality 1 (prefetcht2): the rows are read once */
+static inline void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+/* The rows of the tile PF_TILES ahead, to be prefetched a few at a time (spread_prefetch_step)
+ * between the current tile's R row computations. */
+typedef struct {
+    const char *row[TILE];
+    int n, next, per_step;
+    int64_t span;
+} SpreadPrefetch;
+
+/* base: the cache (k or v); rows of tokens [t0, t0 + TILE) of heads from h0, `span` bytes each */
+static inline void spread_prefetch_init(SpreadPrefetch *p, const char *base, const int32_t *bt, int64_t t0,
+                                        int64_t L, int64_t BS, int64_t s_blk, int64_t s_slot, int64_t head_off,
+                                        int64_t esz, int64_t span, int64_t steps) {
+    p->n = 0;
+    p->next = 0;
+    p->span = span;
+    for (int64_t t = t0; t < t0 + TILE && t < L; t++)
+        p->row[p->n++] = base + ((int64_t)bt[t / BS] * s_blk + (t % BS) * s_slot + head_off) * esz;
+    p->per_step = (int)((p->n + steps - 1) / steps);
+}
+
+static inline void spread_prefetch_step(SpreadPrefetch *p) {
+    for (int j = 0; j < p->per_step && p->next < p->n; j++) prefetch_span(p->row[p->next++], p->span);
+}
+
+/* acc[d] += sum_i p[i] * rows[i][d] over cnt rows of Dv floats. 64 columns at a time in four
+ * accumulators: one accumulator would chain cnt dependent FMAs (4 cycles each). */
+static inline void axpy_tile(float *acc, const float *p, const float *const *rows, int cnt, int64_t Dv) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 64 <= Dv; c += 64) {
+        __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+        __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+        for (int i = 0; i < cnt; i++) {
+            const __m512 pi = _mm512_set1_ps(p[i]);
+            const float *row = rows[i] + c;
+            a0 = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row), a0);
+            a1 = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 16), a1);
+            a2 = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 32), a2);
+            a3 = _mm512_fmadd_ps(pi, _mm512_loadu_ps(row + 48), a3);
+        }
+        _mm512_storeu_ps(acc + c, a0);
+        _mm512_storeu_ps(acc + c + 16, a1);
+        _mm512_storeu_ps(acc + c + 32, a2);
+        _mm512_storeu_ps(acc + c + 48, a3);
+    }
+    for (; c + 16 <= Dv; c += 16) {
+        __m512 av = _mm512_loadu_ps(acc + c);
+        for (int i = 0; i < cnt; i++) av = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(rows[i] + c), av);
+        _mm512_storeu_ps(acc + c, av);
+    }
+#endif
+    for (; c < Dv; c++) {
+        float x = acc[c];
+        for (int i = 0; i < cnt; i++) x += p[i] * rows[i][c];
+        acc[c] = x;
+    }
+}
+
+/* softmax numerators in place over n logits; returns 1 / denominator (sink joins it). */
+static float softmax_inplace(float *s, int64_t n, int has_sink, float sink) {
+    float m = has_sink ? sink : -FLT_MAX;
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    float sum = has_sink ? expf(sink - m) : 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        sum += s[i];
+    }
+    return 1.0f / sum;
+}
+
+/* The decode row `row` of sequence b (its one query, at position ctx[b] - 1): query heads of kv
+ * heads [h0, h1); buf holds qf, acc, scores and a row buffer. */
+static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1, float *buf) {
+    const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, nh = h1 - h0, R = nh * G;
+    const int64_t L = a->ctx[b];
+    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
+    const int64_t n = L - start, n_pad = (n + TILE - 1) / TILE * TILE;
+    const int32_t *bt = a->table + b * a->bt_s;
+    const int64_t esz = a->bf16 ? 2 : 4;
+    const int64_t o_off = (row * a->Hq + h0 * G) * Dv;
+    /* bytes of one token's rows for heads h0..h1-1 */
+    const int64_t k_span = ((nh - 1) * a->k_sh + D) * esz, v_span = ((nh - 1) * a->v_sh + Dv) * esz;
+
+    /* rows r = (h - h0) * G + g */
+    float *qf = buf, *acc = qf + R * D, *s = acc + R * Dv, *rowbuf = s + R * n_pad;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t off = row * a->q_st + (h0 * G + r) * a->q_sh;
+        if (a->bf16)
+            widen_bf16((const uint16_t *)a->q + off, qf + r * D, D);
+        else
+            memcpy(qf + r * D, (const float *)a->q + off, sizeof(float) * D);
+        for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
+    }
+    /* bfloat16 keys: dot products straight from the cache with AVX512-BF16 where available */
+    const int bf16_dot = HAVE_DOT16_BF16 && a->bf16 && D % 32 == 0;
+    (void)bf16_dot;
+    /* scores s[r][t - start], 16 keys at a time; a token's heads are adjacent in memory */
+    for (int64_t t0 = start; t0 < L; t0 += TILE) {
+        const char *tok[TILE];
+        for (int i = 0; i < TILE; i++) {
+            const int64_t t = t0 + i < L ? t0 + i : L - 1; /* the tail repeats a valid row */
+            tok[i] = (const char *)a->k + ((int64_t)bt[t / BS] * a->k_sblk + (t % BS) * a->k_sslot) * esz;
+        }
+        SpreadPrefetch pf;
+        spread_prefetch_init(&pf, (const char *)a->k, bt, t0 + PF_TILES * TILE, L, BS, a->k_sblk, a->k_sslot,
+                             h0 * a->k_sh, esz, k_span, R);
+#if HAVE_DOT16_BF16
+        if (bf16_dot) {
+            for (int64_t h = h0; h < h1; h++) {
+                const uint16_t *rows[TILE];
+                for (int i = 0; i < TILE; i++) rows[i] = (const uint16_t *)(tok[i] + h * a->k_sh * esz);
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = (h - h0) * G + g;
+                    const uint16_t *qr = (const uint16_t *)a->q + row * a->q_st + (h0 * G + r) * a->q_sh;
+                    dot16_bf16(qr, rows, D, a->scale, s + r * n_pad + (t0 - start));
+                    spread_prefetch_step(&pf);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t h = h0; h < h1; h++) {
+            const float *rows[TILE];
+            for (int i = 0; i < TILE; i++) {
+                const char *p = tok[i] + h * a->k_sh * esz;
+                if (a->bf16) {
+                    widen_bf16((const uint16_t *)p, rowbuf + i * D, D);
+                    rows[i] = rowbuf + i * D;
+                } else {
+                    rows[i] = (const float *)p;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = (h - h0) * G + g;
+                dot16(qf + r * D, rows, D, s + r * n_pad + (t0 - start));
+                spread_prefetch_step(&pf);
+            }
+        }
+    }
+    if (a->softcap > 0.0f)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < n; i++) s[r * n_pad + i] = a->softcap * tanhf(s[r * n_pad + i] / a->softcap);
+    float inv[R];
+    for (int64_t r = 0; r < R; r++)
+        inv[r] = softmax_inplace(s + r * n_pad, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r] : 0.0f);
+    /* acc[r] = sum_t p[r][t] * v[t], 16 values at a time: acc[r] is loaded and stored once per tile */
+    memset(acc, 0, sizeof(float) * R * Dv);
+    for (int64_t t0 = start; t0 < L; t0 += TILE) {
+        const int cnt = L - t0 < TILE ? (int)(L - t0) : TILE;
+        const char *tok[TILE];
+        for (int i = 0; i < cnt; i++) {
+            const int64_t t = t0 + i;
+            tok[i] = (const char *)a->v + ((int64_t)bt[t / BS] * a->v_sblk + (t % BS) * a->v_sslot) * esz;
+        }
+        SpreadPrefetch pf;
+        spread_prefetch_init(&pf, (const char *)a->v, bt, t0 + PF_TILES * TILE, L, BS, a->v_sblk, a->v_sslot,
+                             h0 * a->v_sh, esz, v_span, R);
+        for (int64_t h = h0; h < h1; h++) {
+            const float *rows[TILE];
+            for (int i = 0; i < cnt; i++) {
+                const char *p = tok[i] + h * a->v_sh * esz;
+                if (a->bf16) {
+                    widen_bf16((const uint16_t *)p, rowbuf + i * Dv, Dv);
+                    rows[i] = rowbuf + i * Dv;
+                } else {
+                    rows[i] = (const float *)p;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t r = (h - h0) * G + g;
+                axpy_tile(acc + r * Dv, s + r * n_pad + (t0 - start), rows, cnt, Dv);
+                spread_prefetch_step(&pf);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < Dv; d++) {
+            const float x = acc[r * Dv + d] * inv[r];
+            if (a->bf16)
+                ((uint16_t *)a->out)[o_off + r * Dv + d] = f32_to_bf16(x);
+            else
+                ((float *)a->out)[o_off + r * Dv + d] = x;
+        }
+}
+
+/* One row's scores sr[0..KSTEP) of a key step, valid for j in [j_lo, j_hi): softcapped, turned into
+ * numerators under the row's running maximum *m (0 outside the valid range); *l and the
+ * row's value accumulator acc are rescaled when the maximum grows. */
+static inline void online_softmax_step(float *sr, int j_lo, int j_hi, float softcap, float *m, float *l, float *acc,
+                                       int64_t Dv) {
+    if (softcap > 0.0f)
+        for (int j = j_lo; j < j_hi; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
+    float mt = *m;
+#pragma omp simd reduction(max : mt)
+    for (int j = 0; j < KSTEP; j++) {
+        const float x = (j >= j_lo && j < j_hi) ? sr[j] : -FLT_MAX;
+        mt = x > mt ? x : mt;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < KSTEP; j++) {
+        const float p = (j >= j_lo && j < j_hi) ? expf(sr[j] - mt) : 0.0f;
+        sr[j] = p;
+        sum += p;
+    }
+    if (mt > *m) {
+        const float alpha = expf(*m - mt);
+        *l *= alpha;
+        for (int64_t d = 0; d < Dv; d++) acc[d] *= alpha;
+        *m = mt;
+    }
+    *l += sum;
+}
+
+/* axpy_tile for two rows at once (any cnt up to KSTEP) (acc0 with p0, acc1 with p1): each value row is loaded once
+ * for both, and eight accumulators keep both FMA pipes busy. */
+static inline void axpy_rows2(float *acc0, float *acc1, const float *p0, const float *p1, const float *const *rows,
+                              int cnt, int64_t Dv) {
+    if (cnt <= 0) return;
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 64 <= Dv; c += 64) {
+        __m512 a0 = _mm512_loadu_ps(acc0 + c), a1 = _mm512_loadu_ps(acc0 + c + 16);
+        __m512 a2 = _mm512_loadu_ps(acc0 + c + 32), a3 = _mm512_loadu_ps(acc0 + c + 48);
+        __m512 b0 = _mm512_loadu_ps(acc1 + c), b1 = _mm512_loadu_ps(acc1 + c + 16);
+        __m512 b2 = _mm512_loadu_ps(acc1 + c + 32), b3 = _mm512_loadu_ps(acc1 + c + 48);
+        for (int i = 0; i < cnt; i++) {
+            const __m512 pa = _mm512_set1_ps(p0[i]), pb = _mm512_set1_ps(p1[i]);
+            const float *row = rows[i] + c;
+            const __m512 v0 = _mm512_loadu_ps(row), v1 = _mm512_loadu_ps(row + 16);
+            const __m512 v2 = _mm512_loadu_ps(row + 32), v3 = _mm512_loadu_ps(row + 48);
+            a0 = _mm512_fmadd_ps(pa, v0, a0);
+            a1 = _mm512_fmadd_ps(pa, v1, a1);
+            a2 = _mm512_fmadd_ps(pa, v2, a2);
+            a3 = _mm512_fmadd_ps(pa, v3, a3);
+            b0 = _mm512_fmadd_ps(pb, v0, b0);
+            b1 = _mm512_fmadd_ps(pb, v1, b1);
+            b2 = _mm512_fmadd_ps(pb, v2, b2);
+            b3 = _mm512_fmadd_ps(pb, v3, b3);
+        }
+        _mm512_storeu_ps(acc0 + c, a0);
+        _mm512_storeu_ps(acc0 + c + 16, a1);
+        _mm512_storeu_ps(acc0 + c + 32, a2);
+        _mm512_storeu_ps(acc0 + c + 48, a3);
+        _mm512_storeu_ps(acc1 + c, b0);
+        _mm512_storeu_ps(acc1 + c + 16, b1);
+        _mm512_storeu_ps(acc1 + c + 32, b2);
+        _mm512_storeu_ps(acc1 + c + 48, b3);
+    }
+#endif
+    if (c < Dv) {
+        const float *tail[KSTEP];
+        for (int i = 0; i < cnt; i++) tail[i] = rows[i] + c;
+        axpy_tile(acc0 + c, p0, tail, cnt, Dv - c);
+        axpy_tile(acc1 + c, p1, tail, cnt, Dv - c);
+    }
+}
+
+/* Query tokens tok0 .. tok0 + nt - 1 of sequence b, at positions pos0 .. pos0 + nt - 1, with
+ * the G query heads of kv head h: rows r = i * G + g. Each 16-key tile of the cache is read once
+ * (widened once if bf16) and serves all R rows; an online softmax keeps one running maximum and
+ * denominator per row. buf: qf [R][D], acc [R][Dv], s [R][TILE], m [R], l [R], kbuf, vbuf. */
+static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, int64_t nt, int64_t h, float *buf) {
+    const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, R = nt * G;
+    const int32_t *bt = a->table + b * a->bt_s;
+    const int64_t esz = a->bf16 ? 2 : 4, last = pos0 + nt - 1;
+    float *qf = buf, *acc = qf + R * D, *s = acc + R * Dv, *m = s + R * KSTEP, *l = m + R;
+    float *kbuf = l + R, *vbuf = kbuf + KSTEP * D;
+    for (int64_t i = 0; i < nt; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = i * G + g, head = h * G + g;
+            load_row((const char *)a->q + ((tok0 + i) * a->q_st + head * a->q_sh) * esz, a->bf16, qf + r * D, D);
+            for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
+            m[r] = a->sinks ? a->sinks[head] : -FLT_MAX;
+            l[r] = a->sinks ? 1.0f : 0.0f; /* the sink's exp(sink - m) with m = sink */
+        }
+    memset(acc, 0, sizeof(float) * R * Dv);
+    const int64_t lo = (a->window > 0 && pos0 - a->window + 1 > 0) ? pos0 - a->window + 1 : 0;
+    for (int64_t t0 = lo / TILE * TILE; t0 <= last; t0 += KSTEP) {
+        const int cnt = last + 1 - t0 < KSTEP ? (int)(last + 1 - t0) : KSTEP;
+        const int n16 = (cnt + TILE - 1) / TILE * TILE;
+        const float *krows[KSTEP], *vrows[KSTEP];
+        for (int i = 0; i < n16; i++) {
+            const int64_t t = i < cnt ? t0 + i : last; /* the tail repeats a valid row */
+            const int64_t blk = bt[t / BS], slot = t % BS;
+            const char *kp = (const char *)a->k + (blk * a->k_sblk + slot * a->k_sslot + h * a->k_sh) * esz;
+            const char *vp = (const char *)a->v + (blk * a->v_sblk + slot * a->v_sslot + h * a->v_sh) * esz;
+            if (a->bf16) {
+                widen_bf16((const uint16_t *)kp, kbuf + i * D, D);
+                krows[i] = kbuf + i * D;
+                if (i < cnt) widen_bf16((const uint16_t *)vp, vbuf + i * Dv, Dv);
+                vrows[i] = vbuf + i * Dv;
+            } else {
+                krows[i] = (const float *)kp;
+                vrows[i] = (const float *)vp;
+            }
+        }
+        int j_end[2] = {0, 0};
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * KSTEP;
+            const int64_t pos = pos0 + r / G;
+            const int64_t first = a->window > 0 ? pos - a->window + 1 : 0;
+            /* keys t0 + j with first <= t0 + j <= pos (j < cnt follows: t0 + cnt - 1 = min(last, ...)) */
+            const int j_lo = first > t0 ? (int)(first - t0) : 0;
+            const int j_hi = pos - t0 + 1 < cnt ? (int)(pos - t0 + 1) : cnt;
+            for (int j = 0; j < j_hi; j += TILE) dot16(qf + r * D, krows + j, D, sr + j);
+            j_end[r & 1] = j_hi > j_lo ? j_hi : 0;
+            online_softmax_step(sr, j_lo, j_hi, a->softcap, &m[r], &l[r], acc + r * Dv, Dv);
+            /* values: rows in pairs share each value load */
+            if (r & 1)
+                axpy_rows2(acc + (r - 1) * Dv, acc + r * Dv, sr - KSTEP, sr, vrows,
+                           j_end[0] > j_end[1] ? j_end[0] : j_end[1], Dv);
+            else if (r == R - 1 && j_end[0])
+                axpy_tile(acc + r * Dv, sr, vrows, j_end[0], Dv);
+        }
+    }
+    for (int64_t i = 0; i < nt; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = i * G + g;
+            const float inv = 1.0f / l[r];
+            for (int64_t d = 0; d < Dv; d++) acc[r * Dv + d] *= inv;
+            store_row(acc + r * Dv, a->bf16, (char *)a->out + (((tok0 + i) * a->Hq + h * G + g) * Dv) * esz, Dv);
+        }
+}
+
+/* grow a task's float buffer to at least `need` elements */
+static float *reserve(float *buf, int64_t *cap, int64_t need) {
+    if (need <= *cap) return buf;
+    free(buf);
+    *cap = need;
+    return malloc(sizeof(float) * need);
+}
+
+static void zero_rows(const Args *a, int64_t tok, int64_t head0, int64_t n_heads) {
+    const int64_t o = (tok * a->Hq + head0) * a->Dv, n = n_heads * a->Dv;
+    if (a->bf16)
+        memset((uint16_t *)a->out + o, 0, sizeof(uint16_t) * n);
+    else
+        memset((float *)a->out + o, 0, sizeof(float) * n);
+}
+
+/* Decode only (cu == NULL: row b is sequence b's one query). */
+static void run_decode(const Args *a) {
+    const int64_t G = a->Hq / a->Hkv;
+    /* one task per sequence reads each token's heads as one contiguous row; with few sequences
+     * the kv heads are split so every thread has work */
+    int64_t splits = 1;
+    const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    while (splits < a->Hkv && a->B * splits < want) splits++;
+    const int64_t per = (a->Hkv + splits - 1) / splits;
+    const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
+#pragma omp parallel
+    {
+        float *buf = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < a->B * splits; task++) {
+            const int64_t b = task / splits, h0 = (task % splits) * per;
+            const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
+            if (h0 >= h1) continue;
+            const int64_t R = (h1 - h0) * G;
+            if (a->ctx[b] <= 0) {
+                zero_rows(a, b, h0 * G, R);
+                continue;
+            }
+            buf = reserve(buf, &cap, R * (a->D + a->Dv + a->ctx[b] + TILE) + rowbuf);
+            attend(a, b, b, h0, h1, buf);
+        }
+        free(buf);
+    }
+}
+
+/* A unit of work of a mixed batch: a decode row (kv heads [h0, h1)) or a block of prefill rows. */
+typedef struct {
+    int64_t cost;
+    int32_t b, h0, h1, i0, nt, block;
+} Task;
+
+static int by_cost_desc(const void *x, const void *y) {
+    const int64_t cx = ((const Task *)x)->cost, cy = ((const Task *)y)->cost;
+    return (cx < cy) - (cx > cy);
+}
+
+/* Any mix of decode rows and prefill chunks (cu != NULL). */
+static void run_mixed(const Args *a) {
+    const int64_t G = a->Hq / a->Hkv;
+    /* query tokens per block: enough rows (tokens x G heads) to reuse each key tile ~64 times */
+    const int64_t nt_max = G >= 64 ? 1 : (64 / G < TILE ? 64 / G : TILE);
+    int64_t n_dec = 0, n_blk = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t n = a->cu[b + 1] - a->cu[b];
+        if (n == 1)
+            n_dec++;
+        else if (n > 1)
+            n_blk += a->Hkv * ((n + nt_max - 1) / nt_max);
+    }
+    int64_t splits = 1;
+    const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    while (splits < a->Hkv && n_dec * splits + n_blk < want) splits++;
+    const int64_t per = (a->Hkv + splits - 1) / splits;
+    Task *tasks = malloc(sizeof(Task) * (n_dec * splits + n_blk + 1));
+    int64_t n_tasks = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t n = a->cu[b + 1] - a->cu[b], L = a->ctx[b];
+        if (n == 1) {
+            for (int64_t h0 = 0; h0 < a->Hkv; h0 += per) {
+                const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
+                const int64_t keys = a->window > 0 && L > a->window ? a->window : L;
+                tasks[n_tasks++] = (Task){keys * (h1 - h0) * G, (int32_t)b, (int32_t)h0, (int32_t)h1, 0, 1, 0};
+            }
+        } else if (n > 1) {
+            for (int64_t i0 = 0; i0 < n; i0 += nt_max) {
+                const int64_t nt = n - i0 < nt_max ? n - i0 : nt_max, last = L - n + i0 + nt - 1;
+                const int64_t keys = a->window > 0 && last + 1 > a->window + nt ? a->window + nt : last + 1;
+                for (int64_t h = 0; h < a->Hkv; h++)
+                    tasks[n_tasks++] = (Task){keys * nt * G, (int32_t)b, (int32_t)h, (int32_t)h + 1, (int32_t)i0,
+                                              (int32_t)nt, 1};
+            }
+        }
+    }
+    qsort(tasks, n_tasks, sizeof(Task), by_cost_desc);
+    const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
+#pragma omp parallel
+    {
+        float *buf = NULL;
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_tasks; i++) {
+            const Task *t = &tasks[i];
+            const int64_t tok = a->cu[t->b], L = a->ctx[t->b], R = (t->h1 - t->h0) * G;
+            if (!t->block) {
+                if (L <= 0) {
+                    zero_rows(a, tok, t->h0 * G, R);
+                    continue;
+                }
+                buf = reserve(buf, &cap, R * (a->D + a->Dv + L + TILE) + rowbuf);
+                attend(a, t->b, tok, t->h0, t->h1, buf);
+            } else {
+                const int64_t n = a->cu[t->b + 1] - a->cu[t->b], rows = t->nt * G;
+                buf = reserve(buf, &cap, rows * (a->D + a->Dv + KSTEP + 2) + KSTEP * (a->D + a->Dv));
+                attend_block(a, t->b, tok + t->i0, L - n + t->i0, t->nt, t->h0, buf);
+            }
+        }
+        free(buf);
+    }
+    free(tasks);
+}
+
+#define ENTRY(NAME, IS_BF16)                                                                                  \
+    void NAME(const void *q, const void *k, const void *v, const int32_t *table, const int32_t *cu,           \
+              const int32_t *ctx, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,       \
+              int64_t BS, int64_t q_st, int64_t q_sh, int64_t k_sblk, int64_t k_sslot, int64_t k_sh,          \
+              int64_t v_sblk, int64_t v_sslot, int64_t v_sh, int64_t bt_s, float scale, int64_t window,       \
+              float softcap, const float *sinks) {                                                            \
+        Args a = {q,    k,      v,       table, cu,      ctx,  out,    B,      Hq,      Hkv,  D,  Dv,  BS,     \
+                  q_st, q_sh,   k_sblk,  k_sslot, k_sh,  v_sblk, v_sslot, v_sh, bt_s,    scale, softcap,      \
+                  window, sinks, IS_BF16};                                                                    \
+        if (cu)                                                                                               \
+            run_mixed(&a);                                                                                    \
+        else                                                                                                  \
+            run_decode(&a);                                                                                   \
+    }
+
+ENTRY(paged_attention_f32, 0)
+ENTRY(paged_attention_bf16, 1)
