@@ -106,7 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "paged_attention_bf16": [p] * 7 + [i64] * 15 + [f32, i64, f32, p],
         "rms_norm": [p, i64, i64, i64, p, i64, p, p, i64, i64, i64, f32, i32],
         "silu_and_mul": [p, i64, p, i64, i64, i64, i32],
-        "rotary": [p, p, i64, i64, p, p, i64, i64, i64, i64, i32, i32],
+        "rotary_qk": [p, p, i64, i64, i64, p, p, i64, i64, i64, p, p, i64, i64, i64, i32, i32],
         "argmax_rows": [p, i64, i64, p],
         "store_kv": [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64, i32],
     }

@@ -80,37 +80,48 @@ void silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t ro
     }
 }
 
-/* x [T, H, D] (strides x_st, x_sh) -> out [T, H, D] contiguous; the first `rot` channels of
- * each head rotate by the angle of positions[t] (cos_sin [P, rot]: rot/2 cosines then rot/2
- * sines), NeoX halves or GPT-J interleaved pairs; the other channels are copied. */
-void rotary(const int64_t *positions, const void *x, int64_t x_st, int64_t x_sh, void *out, const float *cos_sin,
-            int64_t T, int64_t H, int64_t D, int64_t rot, int neox, int bf16) {
+/* The H heads of one token (x + h * x_sh, each D elements) rotated into out (contiguous). */
+static void rotate_heads(const char *x, int64_t x_sh, int64_t H, char *out, const float *cosv, const float *sinv,
+                         int64_t D, int64_t rot, int neox, int bf16, float *v, float *o) {
     const int64_t esz = bf16 ? 2 : 4, half = rot / 2;
-#pragma omp parallel if (T * H * D >= PAR_MIN_ELEMS)
+    for (int64_t h = 0; h < H; h++) {
+        load_row(x + h * x_sh * esz, bf16, v, D);
+        if (neox) {
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                o[j] = v[j] * cosv[j] - v[j + half] * sinv[j];
+                o[j + half] = v[j + half] * cosv[j] + v[j] * sinv[j];
+            }
+        } else {
+            for (int64_t j = 0; j < half; j++) {
+                o[2 * j] = v[2 * j] * cosv[j] - v[2 * j + 1] * sinv[j];
+                o[2 * j + 1] = v[2 * j + 1] * cosv[j] + v[2 * j] * sinv[j];
+            }
+        }
+        for (int64_t j = rot; j < D; j++) o[j] = v[j];
+        store_row(o, bf16, out + h * D * esz, D);
+    }
+}
+
+/* q [T, Hq, D] and k [T, Hk, D] (strides q_st, q_sh / k_st, k_sh) -> q_out, k_out contiguous, in
+ * one pass over the tokens: the first `rot` channels of each head rotate by the angle of
+ * positions[t] (cos_sin [P, rot]: rot/2 cosines then rot/2 sines), NeoX halves or GPT-J
+ * interleaved pairs; the other channels are copied. */
+void rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_sh, int64_t Hq, void *q_out,
+               const void *k, int64_t k_st, int64_t k_sh, int64_t Hk, void *k_out, const float *cos_sin, int64_t T,
+               int64_t D, int64_t rot, int neox, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+#pragma omp parallel if (T * (Hq + Hk) * D >= PAR_MIN_ELEMS)
     {
         float *v = malloc(sizeof(float) * 2 * D);
         float *o = v + D;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             const float *cs = cos_sin + positions[t] * rot;
-            const float *cosv = cs, *sinv = cs + half;
-            for (int64_t h = 0; h < H; h++) {
-                load_row((const char *)x + (t * x_st + h * x_sh) * esz, bf16, v, D);
-                if (neox) {
-#pragma omp simd
-                    for (int64_t j = 0; j < half; j++) {
-                        o[j] = v[j] * cosv[j] - v[j + half] * sinv[j];
-                        o[j + half] = v[j + half] * cosv[j] + v[j] * sinv[j];
-                    }
-                } else {
-                    for (int64_t j = 0; j < half; j++) {
-                        o[2 * j] = v[2 * j] * cosv[j] - v[2 * j + 1] * sinv[j];
-                        o[2 * j + 1] = v[2 * j + 1] * cosv[j] + v[2 * j] * sinv[j];
-                    }
-                }
-                for (int64_t j = rot; j < D; j++) o[j] = v[j];
-                store_row(o, bf16, (char *)out + (t * H + h) * D * esz, D);
-            }
+            rotate_heads((const char *)q + t * q_st * esz, q_sh, Hq, (char *)q_out + t * Hq * D * esz, cs, cs + rot / 2,
+                         D, rot, neox, bf16, v, o);
+            rotate_heads((const char *)k + t * k_st * esz, k_sh, Hk, (char *)k_out + t * Hk * D * esz, cs, cs + rot / 2,
+                         D, rot, neox, bf16, v, o);
         }
         free(v);
     }

@@ -17,6 +17,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def _rows(t: torch.Tensor, width: int) -> tuple[int, int] | None:
     """(row count, row stride) of ``t`` seen as rows of ``width`` contiguous elements, or None."""
+    if t.is_contiguous() and t.shape[-1] == width:  # the common case, without building a view
+        return (t.numel() // width if width else 0), width
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         return None
     if t.dim() == 1:
@@ -40,8 +42,13 @@ def _row_layout(t: torch.Tensor, width: int) -> tuple[int, int, int, int] | None
 
 
 def _usable(*ts: torch.Tensor) -> bool:
-    first = ts[0]
-    return first.device.type == "cpu" and first.dtype in _DTYPES and all(t.dtype == first.dtype for t in ts)
+    dtype = ts[0].dtype
+    if ts[0].device.type != "cpu" or dtype not in _DTYPES:
+        return False
+    for t in ts:
+        if t.dtype != dtype:
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -84,21 +91,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                      is_neox: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     lib = native_library()
-    if (lib is None or not _usable(q, k) or q.dim() != 3 or k.dim() != 3 or cos_sin_cache.dtype != torch.float32
+    if (lib is None or not _usable(q, k) or q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0]
+            or k.shape[2] != q.shape[2] or cos_sin_cache.dtype != torch.float32
             or not cos_sin_cache.is_contiguous() or q.stride(-1) != 1 or k.stride(-1) != 1
             or positions.device.type != "cpu"):
         return None
-    rot = cos_sin_cache.shape[-1]
-    pos = positions.to(torch.int64).contiguous()
-    bf16 = int(q.dtype == torch.bfloat16)
-    outs = []
-    for x in (q, k):
-        t, h, d = x.shape
-        out = torch.empty(t, h, d, dtype=x.dtype)
-        lib.rotary(pos.data_ptr(), x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), cos_sin_cache.data_ptr(),
-                   t, h, d, rot, int(is_neox), bf16)
-        outs.append(out)
-    return outs[0], outs[1]
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else (
+        positions.to(torch.int64).contiguous())
+    q_out = torch.empty(t, hq, d, dtype=q.dtype)
+    k_out = torch.empty(t, hk, d, dtype=k.dtype)
+    lib.rotary_qk(pos.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, q_out.data_ptr(),
+                  k.data_ptr(), k.stride(0), k.stride(1), hk, k_out.data_ptr(), cos_sin_cache.data_ptr(),
+                  t, d, cos_sin_cache.shape[-1], int(is_neox), int(q.dtype == torch.bfloat16))
+    return q_out, k_out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
