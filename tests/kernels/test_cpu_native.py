@@ -111,7 +111,8 @@ def test_prefill_attention_head_shapes(hq, hkv, d, dv, bs, dtype, gen):
 
 
 def test_prefill_attention_strided_q_and_bad_offsets(gen):
-    """q as a view into a fused qkv; offsets that do not match q are refused, not read past."""
+    """q as a view into a fused qkv; offsets that do not match q, or more queries than keys, are
+    refused rather than read past."""
     q_lens, ctx_lens, hq, hkv, d = [30, 1, 5], [40, 12, 5], 4, 2, 32
     q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, 16, torch.float32, gen, "cpu")
     qkv = torch.randn(q.shape[0], (hq + 2 * hkv) * d, generator=gen)
@@ -121,6 +122,8 @@ def test_prefill_attention_strided_q_and_bad_offsets(gen):
     assert_close(out, attention.paged_attention_ref(q, kc, vc, bt, cu, ctx, 30, 40, 0.3))
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         native_attention.paged_attention_native(q[:-1], kc, vc, bt, cu, ctx, 0.3)
+    with pytest.raises(ValueError, match="context length"):
+        native_attention.paged_attention_native(q, kc, vc, bt, cu, torch.tensor([29, 12, 5]), 0.3)
     with pytest.raises(ValueError, match="one query per sequence"):
         native_attention.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.3)
 

@@ -53,6 +53,9 @@ def paged_attention_native(
         cu = cu_seqlens_q.to(torch.int32).contiguous()
         if cu.shape[0] != b + 1 or int(cu[-1]) != t:
             raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
+        q_lens = cu[1:] - cu[:-1]
+        if bool(((q_lens < 0) | (q_lens > context_lens)).any()):  # the kernel reads keys at ctx - q_len ..
+            raise ValueError("every sequence needs 0 <= query rows <= context length")
     elif t != b:
         raise ValueError(f"decode attention takes one query per sequence: {t} rows for {b} sequences")
     out = q.new_empty(t, hq, dv)
