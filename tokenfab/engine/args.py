@@ -43,7 +43,7 @@ class EngineArgs:
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
         parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
-                            help="CPU float32: do not keep MKL-packed copies of the linear weights")
+                            help="CPU: do not keep packed copies of the linear weights (MKL float32, oneDNN bfloat16)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--served-model-name", default=None)
 

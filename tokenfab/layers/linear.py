@@ -1,10 +1,15 @@
 """Linear layers, including the merged ones (qkv, gate_up) that load several checkpoint
 tensors into row ranges of one weight so a layer does one matrix product instead of three.
 
-On CPU in float32 a weight may also be kept pre-packed for MKL (``prepack_cpu_linears``):
-MKL's packed GEMM skips re-packing the weight on every call, which is 25-45% of the time of
-the skinny (decode-sized, 16-64 row) products that dominate a CPU decode step. The packed copy
-costs as much memory again as the weights, so the engine only packs models that fit easily.
+On CPU a weight may also be kept pre-packed (``prepack_cpu_linears``), so that the GEMM does not
+re-pack it on every call:
+- float32: MKL's packed GEMM; re-packing was 25-45% of the time of the skinny (decode-sized,
+  16-64 row) products that dominate a CPU decode step.
+- bfloat16: oneDNN's packed (blocked) weight layout, the one its AMX/AVX-512 kernels read; the
+  plain F.linear copies the weight into that layout on every call. Same results bit for bit,
+  1.7x faster at 64 rows, 2.7x at one row.
+The packed copy costs as much memory again as the weights, so the engine only packs models that
+fit easily.
 """
 
 from __future__ import annotations
@@ -13,21 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# above this many rows (prefill chunks) the unpacked product is as fast or faster
+# above this many rows (prefill chunks) the unpacked float32 product is as fast or faster
 PACKED_MAX_ROWS = 1024
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through MKL's packed GEMM when a packed copy of ``weight`` exists."""
+    """F.linear, through a packed GEMM when a packed copy of ``weight`` exists."""
     shape = x.shape
-    if packed is None or x.numel() > PACKED_MAX_ROWS * shape[-1] or torch.compiler.is_compiling():
+    if packed is None or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    is_f32 = weight.dtype == torch.float32
+    if is_f32 and x.numel() > PACKED_MAX_ROWS * shape[-1]:
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    # the packed weight serves any row count; passing the actual count selects the packed path
-    out = torch.ops.mkl._mkl_linear(x2, packed, weight, bias, x2.shape[0])
+    if is_f32:
+        # the packed weight serves any row count; passing the actual count selects the packed path
+        out = torch.ops.mkl._mkl_linear(x2, packed, weight, bias, x2.shape[0])
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return out.view(*shape[:-1], weight.shape[0])
 
 
@@ -64,19 +75,39 @@ def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def onednn_bf16_packing_available() -> bool:
+    try:
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a CPU float32 (MKL) or bfloat16 (oneDNN) weight, or None when this torch
+    build cannot pack it."""
+    if w.device.type != "cpu" or w.dim() != 2:
+        return None
+    w = w.detach().contiguous()
+    # the row-count hint only tunes the packing; 64 is a typical decode batch
+    if w.dtype == torch.float32 and mkl_packing_available():
+        return torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
+    if w.dtype == torch.bfloat16 and onednn_bf16_packing_available():
+        return torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    return None
+
+
 def prepack_cpu_linears(model: nn.Module) -> int:
-    """Give every float32 CPU module with a 2-D ``weight`` and a ``packed_weight`` slot (Linear,
-    LMHead) an MKL-packed copy of it. Returns the bytes of weight packed (0 when MKL is absent)."""
-    if not mkl_packing_available():
-        return 0
+    """Give every CPU float32/bfloat16 module with a 2-D ``weight`` and a ``packed_weight`` slot
+    (Linear, LMHead) a packed copy of it. Returns the bytes of weight packed (0 when this torch
+    build cannot pack)."""
     packed = 0
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if not hasattr(type(m), "packed_weight") or w is None or w.dim() != 2:
+        if not hasattr(type(m), "packed_weight") or w is None:
             continue
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            continue
-        # the row-count hint only tunes the packing; 64 is a typical decode batch
-        m.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w.detach().contiguous(), 64)
-        packed += w.numel() * w.element_size()
+        copy = pack_weight(w)
+        if copy is not None:
+            m.packed_weight = copy
+            packed += w.numel() * w.element_size()
     return packed
