@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,13 @@ class ServeProcess:
         self._reader.start()
         self.url = self._wait_for(r"serving .* at (http://\S+)/v1", 180).group(1)
         self._wait_for(r"curl ", 10)
+        # the port must take connections as soon as the banner is out (they may wait, not be refused)
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            self.connectable_at_banner = True
+        except OSError:
+            self.connectable_at_banner = False
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -74,6 +82,7 @@ def _auth() -> dict[str, str]:
 def test_banner_names_url_model_kv_and_curl(cli_server):
     out = cli_server.output
     assert cli_server.url.startswith("http://127.0.0.1:")
+    assert cli_server.connectable_at_banner
     assert "SmolLM2-135M-Instruct" in out
     m = re.search(r"KV cache: ([\d,]+) tokens", out)
     assert m and int(m.group(1).replace(",", "")) > 0

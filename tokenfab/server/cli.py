@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit:
         print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
         return 1
+    # listen now, before the banner says the server is up: connections that arrive while uvicorn
+    # starts wait in the backlog instead of being refused
+    sock.listen(uv_config.backlog)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     kv_tokens = getattr(engine, "kv_cache_tokens", None)
