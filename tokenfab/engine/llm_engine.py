@@ -336,7 +336,7 @@ class LLMEngine:
         out = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,  # a fresh slice already
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
