@@ -90,10 +90,10 @@ def tune_cpu_allocator() -> bool:
         return False
 
 
-def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, enabled: bool) -> int:
-    """Packed weight copies on CPU (float32: MKL, bfloat16: oneDNN) when they fit easily; returns
-    the bytes packed."""
-    if not enabled or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, enabled: bool) -> int:
+    """Packed weight copies on CPU when they fit easily (``layers.linear.pack_weight`` decides which
+    dtypes it can pack); returns the bytes packed."""
+    if not enabled or device.type != "cpu":
         return 0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if weight_bytes > physical_memory_bytes() // 4:
@@ -120,7 +120,7 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
         if self.device.type == "cpu":
             tune_cpu_allocator()
-        maybe_pack_cpu_weights(self.model, self.device, self.dtype, args.cpu_weight_packing)
+        maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
         if self.device.type == "cuda" and not args.enforce_eager:

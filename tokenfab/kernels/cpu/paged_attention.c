@@ -30,7 +30,8 @@
  *
  * Prefill chunks run `attend_block`: a task is a block of up to 16 query tokens of one kv head's
  * GQA group, so each 16-key tile read from the cache serves up to 64 query rows; one pass with
- * an online softmax, causal (and window) masks per row. Tasks are ordered by cost, longest first.
+ * an online softmax, causal (and window) masks per row. Both kinds of task go into one list,
+ * ordered by cost, longest first, and are taken dynamically by the threads.
  */
 #include <float.h>
 #include <math.h>
@@ -149,6 +150,21 @@ static inline void spread_prefetch_step(SpreadPrefetch *p) {
     for (int j = 0; j < p->per_step && p->next < p->n; j++) prefetch_span(p->row[p->next++], p->span);
 }
 
+/* rows[i] (i < cnt) = the n-element cache row at byte address tok[i] + off, as floats: in place
+ * for float32, widened into rowbuf (cnt x n) for bfloat16 */
+static inline void tile_rows(const char *const *tok, int cnt, int64_t off, int64_t n, int bf16, float *rowbuf,
+                             const float **rows) {
+    for (int i = 0; i < cnt; i++) {
+        const char *p = tok[i] + off;
+        if (bf16) {
+            widen_bf16((const uint16_t *)p, rowbuf + i * n, n);
+            rows[i] = rowbuf + i * n;
+        } else {
+            rows[i] = (const float *)p;
+        }
+    }
+}
+
 /* acc[d] += sum_i p[i] * rows[i][d] over cnt rows of Dv floats. 64 columns at a time in four
  * accumulators: one accumulator would chain cnt dependent FMAs (4 cycles each). */
 static inline void axpy_tile(float *acc, const float *p, const float *const *rows, int cnt, int64_t Dv) {
@@ -249,15 +265,7 @@ static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1
 #endif
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
-            for (int i = 0; i < TILE; i++) {
-                const char *p = tok[i] + h * a->k_sh * esz;
-                if (a->bf16) {
-                    widen_bf16((const uint16_t *)p, rowbuf + i * D, D);
-                    rows[i] = rowbuf + i * D;
-                } else {
-                    rows[i] = (const float *)p;
-                }
-            }
+            tile_rows(tok, TILE, h * a->k_sh * esz, D, a->bf16, rowbuf, rows);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t r = (h - h0) * G + g;
                 dot16(qf + r * D, rows, D, s + r * n_pad + (t0 - start));
@@ -285,15 +293,7 @@ static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1
                              h0 * a->v_sh, esz, v_span, R);
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
-            for (int i = 0; i < cnt; i++) {
-                const char *p = tok[i] + h * a->v_sh * esz;
-                if (a->bf16) {
-                    widen_bf16((const uint16_t *)p, rowbuf + i * Dv, Dv);
-                    rows[i] = rowbuf + i * Dv;
-                } else {
-                    rows[i] = (const float *)p;
-                }
-            }
+            tile_rows(tok, cnt, h * a->v_sh * esz, Dv, a->bf16, rowbuf, rows);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t r = (h - h0) * G + g;
                 axpy_tile(acc + r * Dv, s + r * n_pad + (t0 - start), rows, cnt, Dv);
@@ -407,22 +407,16 @@ static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, i
     for (int64_t t0 = lo / TILE * TILE; t0 <= last; t0 += KSTEP) {
         const int cnt = last + 1 - t0 < KSTEP ? (int)(last + 1 - t0) : KSTEP;
         const int n16 = (cnt + TILE - 1) / TILE * TILE;
-        const float *krows[KSTEP], *vrows[KSTEP];
+        const char *ktok[KSTEP], *vtok[KSTEP];
         for (int i = 0; i < n16; i++) {
             const int64_t t = i < cnt ? t0 + i : last; /* the tail repeats a valid row */
             const int64_t blk = bt[t / BS], slot = t % BS;
-            const char *kp = (const char *)a->k + (blk * a->k_sblk + slot * a->k_sslot + h * a->k_sh) * esz;
-            const char *vp = (const char *)a->v + (blk * a->v_sblk + slot * a->v_sslot + h * a->v_sh) * esz;
-            if (a->bf16) {
-                widen_bf16((const uint16_t *)kp, kbuf + i * D, D);
-                krows[i] = kbuf + i * D;
-                if (i < cnt) widen_bf16((const uint16_t *)vp, vbuf + i * Dv, Dv);
-                vrows[i] = vbuf + i * Dv;
-            } else {
-                krows[i] = (const float *)kp;
-                vrows[i] = (const float *)vp;
-            }
+            ktok[i] = (const char *)a->k + (blk * a->k_sblk + slot * a->k_sslot + h * a->k_sh) * esz;
+            vtok[i] = (const char *)a->v + (blk * a->v_sblk + slot * a->v_sslot + h * a->v_sh) * esz;
         }
+        const float *krows[KSTEP], *vrows[KSTEP];
+        tile_rows(ktok, n16, 0, D, a->bf16, kbuf, krows);
+        tile_rows(vtok, cnt, 0, Dv, a->bf16, vbuf, vrows); /* value rows past cnt are never read */
         int j_end[2] = {0, 0};
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * KSTEP;
@@ -467,37 +461,6 @@ static void zero_rows(const Args *a, int64_t tok, int64_t head0, int64_t n_heads
         memset((float *)a->out + o, 0, sizeof(float) * n);
 }
 
-/* Decode only (cu == NULL: row b is sequence b's one query). */
-static void run_decode(const Args *a) {
-    const int64_t G = a->Hq / a->Hkv;
-    /* one task per sequence reads each token's heads as one contiguous row; with few sequences
-     * the kv heads are split so every thread has work */
-    int64_t splits = 1;
-    const int64_t want = 4 * (int64_t)omp_get_max_threads();
-    while (splits < a->Hkv && a->B * splits < want) splits++;
-    const int64_t per = (a->Hkv + splits - 1) / splits;
-    const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
-#pragma omp parallel
-    {
-        float *buf = NULL;
-        int64_t cap = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < a->B * splits; task++) {
-            const int64_t b = task / splits, h0 = (task % splits) * per;
-            const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
-            if (h0 >= h1) continue;
-            const int64_t R = (h1 - h0) * G;
-            if (a->ctx[b] <= 0) {
-                zero_rows(a, b, h0 * G, R);
-                continue;
-            }
-            buf = reserve(buf, &cap, R * (a->D + a->Dv + a->ctx[b] + TILE) + rowbuf);
-            attend(a, b, b, h0, h1, buf);
-        }
-        free(buf);
-    }
-}
-
 /* A unit of work of a mixed batch: a decode row (kv heads [h0, h1)) or a block of prefill rows. */
 typedef struct {
     int64_t cost;
@@ -509,14 +472,18 @@ static int by_cost_desc(const void *x, const void *y) {
     return (cx < cy) - (cx > cy);
 }
 
-/* Any mix of decode rows and prefill chunks (cu != NULL). */
-static void run_mixed(const Args *a) {
+/* sequence b's query rows: cu[b] .. cu[b + 1] - 1, or row b alone when cu is NULL (decode only) */
+static inline int64_t first_row(const Args *a, int64_t b) { return a->cu ? a->cu[b] : b; }
+static inline int64_t n_rows(const Args *a, int64_t b) { return a->cu ? a->cu[b + 1] - a->cu[b] : 1; }
+
+/* Any mix of decode rows and prefill chunks: one task list, most expensive first. */
+static void run(const Args *a) {
     const int64_t G = a->Hq / a->Hkv;
     /* query tokens per block: enough rows (tokens x G heads) to reuse each key tile ~64 times */
     const int64_t nt_max = G >= 64 ? 1 : (64 / G < TILE ? 64 / G : TILE);
     int64_t n_dec = 0, n_blk = 0;
     for (int64_t b = 0; b < a->B; b++) {
-        const int64_t n = a->cu[b + 1] - a->cu[b];
+        const int64_t n = n_rows(a, b);
         if (n == 1)
             n_dec++;
         else if (n > 1)
@@ -524,12 +491,14 @@ static void run_mixed(const Args *a) {
     }
     int64_t splits = 1;
     const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    /* a decode task reads each token's heads as one contiguous row; with few tasks the kv heads
+     * of the decode rows are split so every thread has work */
     while (splits < a->Hkv && n_dec * splits + n_blk < want) splits++;
     const int64_t per = (a->Hkv + splits - 1) / splits;
     Task *tasks = malloc(sizeof(Task) * (n_dec * splits + n_blk + 1));
     int64_t n_tasks = 0;
     for (int64_t b = 0; b < a->B; b++) {
-        const int64_t n = a->cu[b + 1] - a->cu[b], L = a->ctx[b];
+        const int64_t n = n_rows(a, b), L = a->ctx[b];
         if (n == 1) {
             for (int64_t h0 = 0; h0 < a->Hkv; h0 += per) {
                 const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
@@ -555,7 +524,7 @@ static void run_mixed(const Args *a) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task *t = &tasks[i];
-            const int64_t tok = a->cu[t->b], L = a->ctx[t->b], R = (t->h1 - t->h0) * G;
+            const int64_t tok = first_row(a, t->b), L = a->ctx[t->b], R = (t->h1 - t->h0) * G;
             if (!t->block) {
                 if (L <= 0) {
                     zero_rows(a, tok, t->h0 * G, R);
@@ -564,7 +533,7 @@ static void run_mixed(const Args *a) {
                 buf = reserve(buf, &cap, R * (a->D + a->Dv + L + TILE) + rowbuf);
                 attend(a, t->b, tok, t->h0, t->h1, buf);
             } else {
-                const int64_t n = a->cu[t->b + 1] - a->cu[t->b], rows = t->nt * G;
+                const int64_t n = n_rows(a, t->b), rows = t->nt * G;
                 buf = reserve(buf, &cap, rows * (a->D + a->Dv + KSTEP + 2) + KSTEP * (a->D + a->Dv));
                 attend_block(a, t->b, tok + t->i0, L - n + t->i0, t->nt, t->h0, buf);
             }
@@ -583,10 +552,7 @@ static void run_mixed(const Args *a) {
         Args a = {q,    k,      v,       table, cu,      ctx,  out,    B,      Hq,      Hkv,  D,  Dv,  BS,     \
                   q_st, q_sh,   k_sblk,  k_sslot, k_sh,  v_sblk, v_sslot, v_sh, bt_s,    scale, softcap,      \
                   window, sinks, IS_BF16};                                                                    \
-        if (cu)                                                                                               \
-            run_mixed(&a);                                                                                    \
-        else                                                                                                  \
-            run_decode(&a);                                                                                   \
+        run(&a);                                                                                              \
     }
 
 ENTRY(paged_attention_f32, 0)
