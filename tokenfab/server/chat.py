@@ -1,0 +1,143 @@
+"""/v1/chat/completions: chat template rendering, the JSON response and the SSE stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.server.errors import APIError, error_body
+from tokenfab.server.logprobs import chat_logprobs
+from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage, random_id
+from tokenfab.server.streaming import ClientGone, EngineStreamingResponse, collect, finish, sse, usage, watch
+
+if TYPE_CHECKING:
+    from tokenfab.server.serving import OpenAIServer
+
+logger = logging.getLogger("tokenfab.server")
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of ``messages`` under the model's chat template."""
+    conv = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages.{i}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        conv.append(msg)
+    if continue_final_message:
+        add_generation_prompt = False
+    try:
+        return tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(kwargs or {}),
+        )
+    except Exception as e:  # jinja errors: role order, bad kwargs
+        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+
+
+async def create_chat_completion(server: OpenAIServer, body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    server.check_model(body.model)
+    text = render_chat(server.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                       body.chat_template_kwargs)
+    ids = server.tokenize(text, add_special_tokens=False)
+    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
+    if body.top_logprobs is not None and not body.logprobs and body.top_logprobs > 0:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    constraint = await server.build_constraint(body.response_format)
+    params = server.sampling_params(body, max_tokens, k, constraint)
+    request_id = random_id("chatcmpl")
+    stream = await server.submit([ids], params, body.priority, arrival, request_id)
+    created = int(time.time())
+    if body.stream:
+        gen = _chat_stream(server, body, request, stream, request_id, created, len(ids), k)
+        return EngineStreamingResponse(gen, stream)
+    finals = await collect(stream, request)
+    choices = []
+    completion_tokens = 0
+    for index in range(stream.num_choices):
+        chunks = finals[index]
+        last = chunks[-1]
+        token_ids = last.token_ids or []
+        completion_tokens += len(token_ids)
+        logprobs = None
+        if k is not None:
+            lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
+            gen_ids = [t for c in chunks for t in c.delta_token_ids]
+            logprobs = {"content": chat_logprobs(server.tokenizer, gen_ids, lps, k)}
+        choices.append({"index": index, "message": {"role": "assistant", "content": last.text or ""},
+                        "logprobs": logprobs, "finish_reason": finish(last.finish_reason),
+                        "stop_reason": last.stop_reason})
+    return JSONResponse({
+        "id": request_id, "object": "chat.completion", "created": created, "model": server.model_name,
+        "choices": choices, "usage": usage(len(ids), completion_tokens, finals),
+        "system_fingerprint": None,
+    })
+
+
+async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
+                       request_id: str, created: int, num_prompt: int, k: int | None) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": server.model_name}
+    completion_tokens = 0
+    finals: dict[int, list[StreamChunk]] = {}
+
+    def payload(choice: dict[str, Any]) -> str:
+        p = dict(base)
+        p["choices"] = [choice]
+        if include_usage:
+            p["usage"] = None
+        return sse(p)
+
+    watcher = watch(stream, request)
+    try:
+        for i in range(stream.num_choices):
+            yield payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None})
+        async for chunk in stream:
+            completion_tokens += len(chunk.delta_token_ids)
+            logprobs = None
+            if k is not None and chunk.delta_token_ids:
+                logprobs = {"content": chat_logprobs(server.tokenizer, chunk.delta_token_ids,
+                                                     chunk.delta_logprobs or [], k)}
+            if chunk.finished:
+                finals[chunk.index] = [chunk]
+            if not (chunk.delta_text or chunk.finished or logprobs):
+                continue
+            delta = {"content": chunk.delta_text} if chunk.delta_text else {}
+            yield payload({"index": chunk.index, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": finish(chunk.finish_reason), "stop_reason": chunk.stop_reason})
+        if include_usage:
+            p = dict(base)
+            p["choices"] = []
+            p["usage"] = usage(num_prompt, completion_tokens, finals)
+            yield sse(p)
+    except ClientGone:
+        return
+    except Exception as e:
+        logger.exception("stream %s failed", request_id)
+        yield sse(error_body(500, f"generation failed: {e}"))
+    finally:
+        watcher.cancel()
+        stream.abort()
+    yield sse("[DONE]")
