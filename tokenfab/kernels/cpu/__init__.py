@@ -110,9 +110,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "argmax_rows": [p, i64, i64, p],
         "store_kv": [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64, i32],
     }
+    returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
-        fn.restype = None
+        fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM
         fn.argtypes = args
 
 

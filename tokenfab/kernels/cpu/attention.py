@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.kernels.cpu import native_library
+from tokenfab.kernels.cpu.checks import check_paged_attention, check_status
 
 _FUNCTIONS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
@@ -40,13 +41,18 @@ def paged_attention_native(
     ``cu_seqlens_q`` None every sequence has one query (decode, T = B).
 
     The caller checks ``supports`` first. Index tensors are converted to contiguous int32
-    (cheap: [B], [B + 1] and [B, max_blocks]).
+    (cheap: [B], [B + 1] and [B, max_blocks]) and checked (``checks.check_paged_attention``): a
+    block id outside the cache, a negative context or one longer than its block table covers, or
+    mismatched shapes raise ValueError before the kernel reads anything.
     """
     lib = native_library()
+    if q.dim() != 3 or v_cache.dim() != 4 or context_lens.dim() != 1:
+        raise ValueError(f"expected q [T, Hq, D], v_cache [blocks, block_size, Hkv, Dv] and context_lens [B], got "
+                         f"{tuple(q.shape)}, {tuple(v_cache.shape)} and {tuple(context_lens.shape)}")
     t, hq, d = q.shape
     _, bs, hkv, dv = v_cache.shape
     b = context_lens.shape[0]
-    if hq % hkv:
+    if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     cu = None
     if cu_seqlens_q is not None:
@@ -65,9 +71,10 @@ def paged_attention_native(
         q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
+    check_paged_attention(q, k_cache, v_cache, tables, ctx, cu, sinks)
     sinks_f = sinks.float().contiguous() if sinks is not None else None
     fn = getattr(lib, _FUNCTIONS[q.dtype])
-    fn(
+    rc = fn(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         cu.data_ptr() if cu is not None else None, ctx.data_ptr(), out.data_ptr(),
         b, hq, hkv, d, dv, bs, q.stride(0), q.stride(1),
@@ -76,6 +83,7 @@ def paged_attention_native(
         float(scale), int(sliding_window), float(softcap),
         sinks_f.data_ptr() if sinks_f is not None else None,
     )
+    check_status(rc, _FUNCTIONS[q.dtype])
     return out
 
 

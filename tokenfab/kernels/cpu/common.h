@@ -1,4 +1,4 @@
-/* Shared helpers of the CPU kernels: bfloat16 <-> float conversion. */
+/* Shared helpers of the CPU kernels: status codes, bfloat16 <-> float conversion. */
 #ifndef TOKENFAB_CPU_COMMON_H
 #define TOKENFAB_CPU_COMMON_H
 #include <stdint.h>
@@ -6,6 +6,11 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+/* What every kernel that allocates returns; the Python wrapper turns a non-zero code into an
+ * exception (kernels/cpu/__init__.py, check_status). A failed malloc skips the work, frees what
+ * was taken and returns TF_ENOMEM: the output is then undefined, but nothing is corrupted. */
+enum { TF_OK = 0, TF_ENOMEM = 1 };
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;

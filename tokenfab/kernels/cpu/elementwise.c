@@ -5,7 +5,8 @@
  * and each is one call instead of several, which matters at decode batch sizes where a step
  * is ~300 small ops. Semantics, including the bfloat16 roundings of the references, are those
  * of the references in tokenfab/kernels/{norm,activation,rope}.py; `bf16` selects bfloat16
- * tensors, else float32. Strides are in elements; rows are contiguous.
+ * tensors, else float32. Strides are in elements; rows are contiguous. The kernels that take a
+ * work buffer return TF_OK or TF_ENOMEM (common.h).
  */
 #include <math.h>
 #include <omp.h>
@@ -19,16 +20,23 @@
 
 /* Row r of x starts at (r / x_n) * x_s + (r % x_n) * x_si: [T, heads, D] views normalized over D
  * (Qwen3's q/k norm on a slice of the fused qkv) have two strides; plain rows have x_n = 1. */
-void rms_norm(const void *x, int64_t x_s, int64_t x_n, int64_t x_si, void *residual, int64_t r_s, const void *w,
-              void *out, int64_t o_s, int64_t rows, int64_t H, float eps, int bf16) {
+int rms_norm(const void *x, int64_t x_s, int64_t x_n, int64_t x_si, void *residual, int64_t r_s, const void *w,
+             void *out, int64_t o_s, int64_t rows, int64_t H, float eps, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
+    int failed = 0;
 #pragma omp parallel if (rows * H >= PAR_MIN_ELEMS)
     {
         float *buf = malloc(sizeof(float) * 3 * H);
         float *v = buf, *xr = buf + H, *wf = buf + 2 * H;
-        load_row(w, bf16, wf, H);
+        if (buf)
+            load_row(w, bf16, wf, H);
+        else {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            if (!buf) continue;
             load_row((const char *)x + ((r / x_n) * x_s + (r % x_n) * x_si) * esz, bf16, v, H);
             if (residual) {
                 char *res = (char *)residual + r * r_s * esz;
@@ -49,9 +57,10 @@ void rms_norm(const void *x, int64_t x_s, int64_t x_n, int64_t x_si, void *resid
         }
         free(buf);
     }
+    return failed ? TF_ENOMEM : TF_OK;
 }
 
-void silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t rows, int64_t I, int bf16) {
+int silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t rows, int64_t I, int bf16) {
     if (!bf16) {
 #pragma omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)
         for (int64_t r = 0; r < rows; r++) {
@@ -60,14 +69,20 @@ void silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t ro
 #pragma omp simd
             for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        return;
+        return TF_OK;
     }
+    int failed = 0;
 #pragma omp parallel if (rows * I >= PAR_MIN_ELEMS)
     {
         float *buf = malloc(sizeof(float) * 2 * I);
         float *g = buf, *u = buf + I;
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
+            if (!buf) continue;
             const uint16_t *row = (const uint16_t *)x + r * x_s;
             widen_bf16(row, g, I);
             widen_bf16(row + I, u, I);
@@ -78,6 +93,7 @@ void silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t ro
         }
         free(buf);
     }
+    return failed ? TF_ENOMEM : TF_OK;
 }
 
 /* The H heads of one token (x + h * x_sh, each D elements) rotated into out (contiguous). */
@@ -107,16 +123,22 @@ static void rotate_heads(const char *x, int64_t x_sh, int64_t H, char *out, cons
  * one pass over the tokens: the first `rot` channels of each head rotate by the angle of
  * positions[t] (cos_sin [P, rot]: rot/2 cosines then rot/2 sines), NeoX halves or GPT-J
  * interleaved pairs; the other channels are copied. */
-void rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_sh, int64_t Hq, void *q_out,
-               const void *k, int64_t k_st, int64_t k_sh, int64_t Hk, void *k_out, const float *cos_sin, int64_t T,
-               int64_t D, int64_t rot, int neox, int bf16) {
+int rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_sh, int64_t Hq, void *q_out,
+              const void *k, int64_t k_st, int64_t k_sh, int64_t Hk, void *k_out, const float *cos_sin, int64_t T,
+              int64_t D, int64_t rot, int neox, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
+    int failed = 0;
 #pragma omp parallel if (T * (Hq + Hk) * D >= PAR_MIN_ELEMS)
     {
         float *v = malloc(sizeof(float) * 2 * D);
         float *o = v + D;
+        if (!v) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
+            if (!v) continue;
             const float *cs = cos_sin + positions[t] * rot;
             rotate_heads((const char *)q + t * q_st * esz, q_sh, Hq, (char *)q_out + t * Hq * D * esz, cs, cs + rot / 2,
                          D, rot, neox, bf16, v, o);
@@ -125,6 +147,7 @@ void rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_
         }
         free(v);
     }
+    return failed ? TF_ENOMEM : TF_OK;
 }
 
 /* out[r] = index of the first maximum of row r of x [R, V] (float32, contiguous); a NaN counts

@@ -3,7 +3,9 @@ KV-cache store.
 
 Each wrapper has its reference's signature and returns None when it cannot take the tensors
 (not CPU, a dtype other than float32/bfloat16, rows without one common stride, no compiler);
-the caller then runs the reference.
+the caller then runs the reference. Inputs that no kernel may take (mismatched shapes, a slot
+outside the cache, a position outside the rotary cache) raise ValueError (``checks``), and a
+kernel that cannot allocate its work buffer raises MemoryError.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.kernels.cpu import native_library
+from tokenfab.kernels.cpu.checks import check_positions, check_slots, check_status
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,29 +54,40 @@ def _usable(*ts: torch.Tensor) -> bool:
     return True
 
 
+def _check_weight(weight: torch.Tensor, h: int) -> None:
+    if weight.shape != (h,):
+        raise ValueError(f"RMSNorm weight has shape {tuple(weight.shape)}, expected ({h},)")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     h = x.shape[-1]
+    _check_weight(weight, h)
     lib = native_library()
     layout = _row_layout(x, h)
     if lib is None or layout is None or not _usable(x, weight) or not weight.is_contiguous():
         return None
     rows, stride, per, inner = layout
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rms_norm(x.data_ptr(), stride, per, inner, None, 0, weight.data_ptr(), out.data_ptr(), h, rows, h,
-                 float(eps), int(x.dtype == torch.bfloat16))
+    rc = lib.rms_norm(x.data_ptr(), stride, per, inner, None, 0, weight.data_ptr(), out.data_ptr(), h, rows, h,
+                      float(eps), int(x.dtype == torch.bfloat16))
+    check_status(rc, "rms_norm")
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     h = x.shape[-1]
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    _check_weight(weight, h)
     lib = native_library()
     rows, res_rows = _rows(x, h), _rows(residual, h)
     if (lib is None or rows is None or res_rows is None or rows[0] != res_rows[0]
             or not _usable(x, residual, weight) or not weight.is_contiguous()):
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rms_norm(x.data_ptr(), rows[1], 1, 0, residual.data_ptr(), res_rows[1], weight.data_ptr(), out.data_ptr(),
-                 h, rows[0], h, float(eps), int(x.dtype == torch.bfloat16))
+    rc = lib.rms_norm(x.data_ptr(), rows[1], 1, 0, residual.data_ptr(), res_rows[1], weight.data_ptr(),
+                      out.data_ptr(), h, rows[0], h, float(eps), int(x.dtype == torch.bfloat16))
+    check_status(rc, "add_rms_norm")
     return out
 
 
@@ -84,7 +98,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     i = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], i, dtype=x.dtype)
-    lib.silu_and_mul(x.data_ptr(), rows[1], out.data_ptr(), i, rows[0], i, int(x.dtype == torch.bfloat16))
+    rc = lib.silu_and_mul(x.data_ptr(), rows[1], out.data_ptr(), i, rows[0], i, int(x.dtype == torch.bfloat16))
+    check_status(rc, "silu_and_mul")
     return out
 
 
@@ -98,13 +113,19 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         return None
     t, hq, d = q.shape
     hk = k.shape[1]
+    rot = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rot % 2 or rot > d:
+        raise ValueError(f"cos_sin_cache must be [positions, rotary_dim] with an even rotary_dim <= head size {d}, "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    check_positions(positions, t, cos_sin_cache.shape[0])
     pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else (
         positions.to(torch.int64).contiguous())
     q_out = torch.empty(t, hq, d, dtype=q.dtype)
     k_out = torch.empty(t, hk, d, dtype=k.dtype)
-    lib.rotary_qk(pos.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, q_out.data_ptr(),
-                  k.data_ptr(), k.stride(0), k.stride(1), hk, k_out.data_ptr(), cos_sin_cache.data_ptr(),
-                  t, d, cos_sin_cache.shape[-1], int(is_neox), int(q.dtype == torch.bfloat16))
+    rc = lib.rotary_qk(pos.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq, q_out.data_ptr(),
+                       k.data_ptr(), k.stride(0), k.stride(1), hk, k_out.data_ptr(), cos_sin_cache.data_ptr(),
+                       t, d, rot, int(is_neox), int(q.dtype == torch.bfloat16))
+    check_status(rc, "rotary_qk")
     return q_out, k_out
 
 
@@ -130,6 +151,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             or slot_mapping.device.type != "cpu"):
         return None
     t, h, d = k.shape
+    dv = v.shape[-1]
+    if v.shape[:2] != (t, h) or k_cache.shape[-2:] != (h, d) or v_cache.shape[-2:] != (h, dv):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit k_cache {tuple(k_cache.shape)} / "
+                         f"v_cache {tuple(v_cache.shape)} (caches are [..., heads, head size])")
+    n_slots = k_cache.numel() // (h * d) if h * d else 0
+    if (v_cache.numel() // (h * dv) if h * dv else 0) != n_slots:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} hold different "
+                         "numbers of slots")
+    check_slots(slot_mapping, t, n_slots)
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
     slots = slots.contiguous()
     lib.store_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(),

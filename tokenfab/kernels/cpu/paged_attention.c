@@ -445,12 +445,13 @@ static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, i
         }
 }
 
-/* grow a task's float buffer to at least `need` elements */
+/* grow a task's float buffer to at least `need` elements; NULL (and *cap = 0) when malloc fails */
 static float *reserve(float *buf, int64_t *cap, int64_t need) {
     if (need <= *cap) return buf;
     free(buf);
-    *cap = need;
-    return malloc(sizeof(float) * need);
+    buf = malloc(sizeof(float) * need);
+    *cap = buf ? need : 0;
+    return buf;
 }
 
 static void zero_rows(const Args *a, int64_t tok, int64_t head0, int64_t n_heads) {
@@ -476,8 +477,9 @@ static int by_cost_desc(const void *x, const void *y) {
 static inline int64_t first_row(const Args *a, int64_t b) { return a->cu ? a->cu[b] : b; }
 static inline int64_t n_rows(const Args *a, int64_t b) { return a->cu ? a->cu[b + 1] - a->cu[b] : 1; }
 
-/* Any mix of decode rows and prefill chunks: one task list, most expensive first. */
-static void run(const Args *a) {
+/* Any mix of decode rows and prefill chunks: one task list, most expensive first. Returns TF_OK, or
+ * TF_ENOMEM when a buffer could not be allocated (the tasks without one are skipped). */
+static int run(const Args *a) {
     const int64_t G = a->Hq / a->Hkv;
     /* query tokens per block: enough rows (tokens x G heads) to reuse each key tile ~64 times */
     const int64_t nt_max = G >= 64 ? 1 : (64 / G < TILE ? 64 / G : TILE);
@@ -496,6 +498,7 @@ static void run(const Args *a) {
     while (splits < a->Hkv && n_dec * splits + n_blk < want) splits++;
     const int64_t per = (a->Hkv + splits - 1) / splits;
     Task *tasks = malloc(sizeof(Task) * (n_dec * splits + n_blk + 1));
+    if (!tasks) return TF_ENOMEM;
     int64_t n_tasks = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t n = n_rows(a, b), L = a->ctx[b];
@@ -517,6 +520,7 @@ static void run(const Args *a) {
     }
     qsort(tasks, n_tasks, sizeof(Task), by_cost_desc);
     const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
+    int failed = 0;
 #pragma omp parallel
     {
         float *buf = NULL;
@@ -531,20 +535,31 @@ static void run(const Args *a) {
                     continue;
                 }
                 buf = reserve(buf, &cap, R * (a->D + a->Dv + L + TILE) + rowbuf);
+                if (!buf) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
                 attend(a, t->b, tok, t->h0, t->h1, buf);
             } else {
                 const int64_t n = n_rows(a, t->b), rows = t->nt * G;
                 buf = reserve(buf, &cap, rows * (a->D + a->Dv + KSTEP + 2) + KSTEP * (a->D + a->Dv));
+                if (!buf) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
                 attend_block(a, t->b, tok + t->i0, L - n + t->i0, t->nt, t->h0, buf);
             }
         }
         free(buf);
     }
     free(tasks);
+    return failed ? TF_ENOMEM : TF_OK;
 }
 
 #define ENTRY(NAME, IS_BF16)                                                                                  \
-    void NAME(const void *q, const void *k, const void *v, const int32_t *table, const int32_t *cu,           \
+    int NAME(const void *q, const void *k, const void *v, const int32_t *table, const int32_t *cu,           \
               const int32_t *ctx, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,       \
               int64_t BS, int64_t q_st, int64_t q_sh, int64_t k_sblk, int64_t k_sslot, int64_t k_sh,          \
               int64_t v_sblk, int64_t v_sslot, int64_t v_sh, int64_t bt_s, float scale, int64_t window,       \
@@ -552,7 +567,7 @@ static void run(const Args *a) {
         Args a = {q,    k,      v,       table, cu,      ctx,  out,    B,      Hq,      Hkv,  D,  Dv,  BS,     \
                   q_st, q_sh,   k_sblk,  k_sslot, k_sh,  v_sblk, v_sslot, v_sh, bt_s,    scale, softcap,      \
                   window, sinks, IS_BF16};                                                                    \
-        run(&a);                                                                                              \
+        return run(&a);                                                                                       \
     }
 
 ENTRY(paged_attention_f32, 0)
