@@ -114,7 +114,7 @@ def test_penalties():
     assert torch.allclose(out[1], torch.tensor([1.0, 2.0, -2.0, 0.25]))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(max_tokens=0), dict(n=0), dict(top_p=0.0),
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(max_tokens=-1), dict(n=0), dict(top_p=0.0),
                                  dict(min_tokens=5, max_tokens=2), dict(logprobs=50)])
 def test_invalid_params_are_rejected(bad):
     with pytest.raises(ValueError):

@@ -93,15 +93,22 @@ def test_prefix_hit_outputs_equal_cold(tiny_llama_dir):
     assert warm_engine.get_stats().prefix_cache_hit_rate > 0.5
 
 
-def test_priority_runs_urgent_first(tiny_llama_dir):
-    eng = LLMEngine(model=tiny_llama_dir, num_kv_blocks=100, max_num_seqs=1)
+@pytest.mark.parametrize("policy, expected", [("priority", ["urgent", "late"]), ("fcfs", ["late", "urgent"])])
+def test_priority_runs_urgent_first_only_under_priority_policy(tiny_llama_dir, policy, expected):
+    eng = LLMEngine(model=tiny_llama_dir, num_kv_blocks=100, max_num_seqs=1, scheduling_policy=policy)
+    assert eng.scheduling_policy == policy
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     eng.add_request("late", [1, 2, 3], params, priority=5)
     eng.add_request("urgent", [4, 5, 6], params, priority=-1)
     order = []
     while eng.has_unfinished_requests():
         order += [o.request_id for o in eng.step() if o.finished]
-    assert order == ["urgent", "late"]
+    assert order == expected
+
+
+def test_unknown_scheduling_policy_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLMEngine(model=tiny_llama_dir, num_kv_blocks=10, scheduling_policy="lifo")
 
 
 def test_prompt_longer_than_context_is_rejected(tiny_llama_dir):

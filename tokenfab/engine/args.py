@@ -23,8 +23,9 @@ class EngineArgs:
     # CPU float32: keep MKL-packed copies of the linear weights (faster skinny products, 2x the
     # weight memory); packed only when the weights take under a quarter of the machine's memory
     cpu_weight_packing: bool = True
-    seed: int = 0
+    seed: int = 0  # the model's random init / tests; unseeded requests draw their seeds from OS entropy
     served_model_name: str | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" (priority ignored) or "priority" (lower value runs first)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -46,6 +47,9 @@ class EngineArgs:
                             help="CPU: do not keep packed copies of the linear weights (MKL float32, oneDNN bfloat16)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                            help="fcfs: first come, first served (request priority ignored); priority: lower "
+                            "priority value first, then arrival; preemption takes the lowest-priority, newest")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

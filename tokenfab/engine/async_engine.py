@@ -23,20 +23,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfab.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenfab.engine.outputs import Logprob, RequestOutput
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.sampling_params import SEED_MAX, SamplingParams
+
+__all__ = [
+    "AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError", "RequestStream", "StreamChunk",
+]
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (crashed or shut down); no more requests are served."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than ``max_waiting`` allows (HTTP 429)."""
 
 
 @dataclass
@@ -50,6 +47,8 @@ class StreamChunk:
     delta_logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # the prompt's logprobs (first entry None), on the first chunk of a choice that asked for them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set on the finishing chunk only: the whole output, as the engine reports it.
     text: str | None = None
     token_ids: list[int] | None = None
@@ -75,8 +74,10 @@ class _Sub:
     prompt: PromptType
     params: SamplingParams
     priority: int
+    cache_salt: str | None = None
     num_tokens: int = 0
     first_token_time: float | None = None
+    sent_prompt_logprobs: bool = False
 
 
 class RequestStream:
@@ -189,12 +190,34 @@ class AsyncEngine:
         return int(self.engine.max_model_len)
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.engine.vocab_size)
+
+    @property
+    def scheduling_policy(self) -> str:
+        return str(getattr(self.engine, "scheduling_policy", "fcfs"))
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
 
     @property
+    def is_dead(self) -> bool:
+        """True once a fatal engine error stopped it (the server answers 503 from then on)."""
+        return self._error is not None
+
+    @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's pure validation against the loaded model (ValueError naming the parameter);
+        safe to call from the event loop while the engine thread steps."""
+        check = getattr(self.engine, "check_request", None)
+        if check is not None:
+            check(prompt_token_ids, params)
+        else:
+            params.validate()
 
     def stats(self) -> Any:
         """The engine's stats as of the end of the last step (never blocks on a step)."""
@@ -239,14 +262,17 @@ class AsyncEngine:
         return f"req-{self._counter}"
 
     def add_requests(self, request_id: str | None, prompts: Sequence[PromptType], params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None) -> RequestStream:
+                     priority: int = 0, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> RequestStream:
         """Submit ``len(prompts) * params.n`` choices as one stream; choice index = prompt_index*n + i.
 
-        Raises ``QueueFullError`` past ``max_waiting`` and ``EngineDeadError`` once stopped; the
-        engine's own ValueError (prompt too long...) comes from ``stream.wait_accepted()``.
+        Raises ``QueueFullError`` when the choices waiting plus these ``n * len(prompts)`` exceed
+        ``max_waiting``, and ``EngineDeadError`` once dead or shutting down; the engine's own
+        ValueError (prompt too long...) comes from ``stream.wait_accepted()``. A failure of one
+        choice inside a step reaches the stream as ``RequestFailedError``.
         """
         if self._error is not None:
-            raise EngineDeadError(f"engine stopped: {self._error!r}")
+            raise EngineDeadError(f"engine stopped: {self._error}")
         if not self._accepting or self._stopping:
             raise EngineDeadError("server is shutting down")
         if self._thread is None:
@@ -262,9 +288,11 @@ class AsyncEngine:
                 index = p_idx * n + i
                 sub_params = _choice_params(params, i, clone_constraint=index > 0)
                 engine_id = request_id if total == 1 else f"{request_id}-{index}"
-                subs.append(_Sub(engine_id, stream, index, p_idx, prompt, sub_params, priority))
+                subs.append(_Sub(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
         stream.subs = subs
         with self._cv:
+            if self._error is not None:  # died while this request was being built
+                raise EngineDeadError(f"engine stopped: {self._error}")
             if self.max_waiting is not None:
                 stats_waiting = int(getattr(self._stats, "num_waiting", 0) or 0) if self._stats else 0
                 waiting = self._pending_count + self._in_transit + stats_waiting
@@ -280,8 +308,9 @@ class AsyncEngine:
         return stream
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> RequestStream:
-        return self.add_requests(request_id, [prompt], params, priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> RequestStream:
+        return self.add_requests(request_id, [prompt], params, priority, arrival_time, cache_salt)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[StreamChunk]:
@@ -305,8 +334,7 @@ class AsyncEngine:
             self._loop_forever()
         except BaseException as e:  # pragma: no cover - last resort
             logger.exception("engine thread crashed")
-            self._error = e
-            self._fail_all(e)
+            self._die(e)
         finally:
             self._idle.set()
 
@@ -334,9 +362,13 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
-                except Exception as e:
-                    logger.exception("engine step failed; aborting all running requests")
-                    self._fail_all(e)
+                except EngineDeadError as e:
+                    logger.exception("engine step failed fatally; the engine is dead")
+                    self._die(e)
+                    break
+                except Exception as e:  # not attributable to one request: fail those in flight
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(RequestFailedError(f"engine step failed: {e}"))
                     outputs = []
                 self.steps += 1
                 self._dispatch(outputs)
@@ -359,7 +391,8 @@ class AsyncEngine:
         added: list[_Sub] = []
         try:
             for sub in subs:
-                self.engine.add_request(sub.engine_id, sub.prompt, sub.params, sub.priority)
+                extra = {"cache_salt": sub.cache_salt} if sub.cache_salt is not None else {}
+                self.engine.add_request(sub.engine_id, sub.prompt, sub.params, sub.priority, **extra)
                 self._subs[sub.engine_id] = sub
                 added.append(sub)
         except Exception as e:
@@ -383,13 +416,19 @@ class AsyncEngine:
             logger.exception("abort_request(%s) failed", engine_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamChunk]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamChunk | BaseException]]] = {}
         now = time.monotonic()
         for out in outputs:
             sub = self._subs.get(out.request_id)
             if sub is None or not out.outputs:
                 continue
             co = out.outputs[0]
+            if co.finish_reason == "error":  # this choice failed: its stream alone gets the error
+                self._subs.pop(out.request_id, None)
+                self._do_abort(sub.stream)  # the stream's other choices stop too
+                error = RequestFailedError(getattr(out, "error", None) or "the request failed in the engine")
+                by_loop.setdefault(sub.stream._loop, []).append((sub.stream, error))
+                continue
             delta_ids = list(co.delta_token_ids)
             if delta_ids and sub.first_token_time is None:
                 sub.first_token_time = now
@@ -414,6 +453,10 @@ class AsyncEngine:
                 arrival_time=sub.stream.arrival_time,
                 first_token_time=sub.first_token_time,
             )
+            plp = getattr(out, "prompt_logprobs", None)
+            if plp is not None and not sub.sent_prompt_logprobs:
+                chunk.prompt_logprobs = plp
+                sub.sent_prompt_logprobs = True
             if finished:
                 chunk.finish_reason = co.finish_reason or "stop"
                 chunk.stop_reason = co.stop_reason
@@ -433,6 +476,12 @@ class AsyncEngine:
             except RuntimeError:  # loop closed
                 pass
 
+    def _die(self, error: BaseException) -> None:
+        """A fatal engine error: refuse everything from now on and fail every stream with it."""
+        self._error = error if isinstance(error, EngineDeadError) else EngineDeadError(str(error))
+        self._accepting = False
+        self._fail_all(self._error)
+
     def _fail_all(self, error: BaseException) -> None:
         streams = {id(s.stream): s.stream for s in self._subs.values()}
         for engine_id in list(self._subs):
@@ -449,7 +498,7 @@ class AsyncEngine:
                 pass
 
 
-def _deliver(items: list[tuple[RequestStream, StreamChunk]]) -> None:
+def _deliver(items: list[tuple[RequestStream, StreamChunk | BaseException]]) -> None:
     for stream, chunk in items:
         stream._put(chunk)
 
@@ -462,7 +511,7 @@ def _choice_params(params: SamplingParams, i: int, clone_constraint: bool) -> Sa
         if clone is None:
             raise ValueError("this constraint cannot be shared by several choices (n > 1)")
         constraint = clone()
-    seed = params.seed + i if params.seed is not None else None
+    seed = (params.seed + i) % (SEED_MAX + 1) if params.seed is not None else None
     if params.n == 1 and seed == params.seed and constraint is params.constraint:
         return params
     return dataclasses.replace(params, n=1, seed=seed, constraint=constraint)

@@ -9,7 +9,7 @@ from typing import Any
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.outputs import RequestOutput
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.sampling_params import SEED_MAX, SamplingParams
 
 Prompt = str | list[int]
 
@@ -79,15 +79,29 @@ class LLM:
         self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, priority: Seq[int] | None
     ) -> list[RequestOutput]:
         engine = self.engine
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority: give one per prompt")
+        # validate the whole batch before queueing anything: a rejected batch leaves the engine as it was
+        tokenized = []
+        for prompt, p in zip(prompts, params):
+            text, ids = engine.tokenize(prompt)
+            engine.check_request(ids, p)
+            tokenized.append((text, ids))
         order: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            for j in range(p.n):
-                rid = f"llm-{next(self._ids)}"
-                sub = p
-                if p.n > 1:
-                    sub = _copy_params(p, seed=None if p.seed is None else p.seed + j)
-                engine.add_request(rid, prompt, sub, priority[i] if priority else 0)
-                order[rid] = (i, j)
+        try:
+            for i, ((text, ids), p) in enumerate(zip(tokenized, params)):
+                for j in range(p.n):
+                    rid = f"llm-{next(self._ids)}"
+                    sub = p
+                    if p.n > 1:
+                        sub = _copy_params(p, seed=None if p.seed is None else (p.seed + j) % (SEED_MAX + 1))
+                    engine.add_request(rid, text if text is not None else ids, sub, priority[i] if priority else 0,
+                                       prompt_token_ids=ids)
+                    order[rid] = (i, j)
+        except BaseException:
+            for rid in order:
+                engine.abort_request(rid)
+            raise
         results: dict[int, list] = {i: [None] * p.n for i, p in enumerate(params)}
         first: dict[int, RequestOutput] = {}
         bar = None
@@ -105,6 +119,10 @@ class LLM:
                         first.setdefault(i, out)
                         if bar is not None:
                             bar.update(1)
+        except BaseException:  # interrupted or the engine died: leave nothing of this call queued
+            for rid in order:
+                engine.abort_request(rid)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
-import random
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,13 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    if name == "float16" and device.type == "cuda":
+        raise ValueError(
+            "--dtype float16 is not supported on CUDA: the Triton kernels are compiled and tested for "
+            "float32 and bfloat16 only; use --dtype bfloat16 (same memory) or float32"
+        )
     return _DTYPES[name]
 
 
@@ -105,7 +113,10 @@ def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, enabled
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs) -> None:
         args = args or EngineArgs(**kwargs)
+        if args.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         self.args = args
+        self.scheduling_policy = args.scheduling_policy
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         t0 = time.perf_counter()
@@ -130,7 +141,6 @@ class LLMEngine:
         self.kv_cache_tokens = num_blocks * args.block_size
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._rng = random.Random(args.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_prompt_tokens_total = 0
@@ -181,10 +191,37 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = [int(t) for t in prompt]
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        return None, ids
+        try:
+            return None, [operator.index(t) for t in prompt]  # ints, numpy/torch integer scalars
+        except TypeError:
+            raise ValueError("prompt token ids must be integers") from None
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything that makes a request unservable by this model, checked before it is queued
+        (pure: reads only what never changes after load, so any thread may call it). Raises
+        ValueError whose message starts with the parameter's name."""
+        params.validate()
+        v = self.vocab_size
+        ids = prompt_token_ids
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < v for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {v})")
+        n = len(ids)
+        generates = params.max_tokens != 0
+        if n + generates > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, but this model's context is {self.max_model_len} tokens"
+                + (" (including at least one generated token)" if generates else "")
+            )
+        if n + generates > self.kv_cache_tokens:
+            raise ValueError(f"prompt has {n} tokens, more than the KV cache holds ({self.kv_cache_tokens})")
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {v}), got {bad[:5]}")
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {v}), got {bad[:5]}")
 
     def add_request(
         self,
@@ -193,26 +230,31 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request; ValueError with a clear message if it cannot be served."""
+        """Queue a request; ValueError with a clear message (and nothing queued) if it cannot be
+        served. ``priority`` counts only under the "priority" scheduling policy (lower runs first);
+        requests with different ``cache_salt`` never share prefix-cache blocks.
+        ``prompt_token_ids``: the text prompt's ids when the caller tokenized it already."""
         params = params or SamplingParams()
-        params.validate()
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, but this model's context is {self.max_model_len} "
-                "tokens (including at least one generated token)"
-            )
-        if len(ids) + 1 > self.kv_cache_tokens:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than the KV cache holds ({self.kv_cache_tokens})"
-            )
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, text, ids, params, base_seed, priority, next(self._arrivals), arrival_time)
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31 - 1:
+            raise ValueError(f"priority must be an integer in [-2**31+1, 2**31-1], got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if prompt_token_ids is not None:
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        else:
+            text, ids = self.tokenize(prompt)
+        self.check_request(ids, params)
+        # unseeded: OS entropy (two servers, or two runs, never share their "random" draws)
+        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+        if self.scheduling_policy != "priority":
+            priority = 0
+        seq = Sequence(request_id, text, ids, params, base_seed, priority, next(self._arrivals), arrival_time,
+                       cache_salt)
         self._seqs[request_id] = seq
         self.prompt_tokens_total += len(ids)
         self.scheduler.add(seq)

@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int
     text: str  # all text generated so far (stop string excluded)
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running; "stop", "length" or "abort"
+    finish_reason: str | None = None  # None while running; "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
     delta_text: str = ""  # text new since the previous RequestOutput of this request
@@ -45,3 +45,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # one entry per prompt token (the first is None: nothing precedes it), when asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"), else None

@@ -28,6 +28,7 @@ class Sequence:
         priority: int = 0,
         arrival_index: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -43,13 +44,19 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
+        self.block_hashes: list[bytes] = []  # chained digests of the full blocks, in order
         self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.cache_salt = cache_salt  # mixed into the first block's prefix-cache digest
         self.num_preemptions = 0
+        self.error: str | None = None  # set when the request failed inside a step
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # one entry per prompt token, filled chunk by chunk by the prefill (entry 0 stays None)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         # detokenization state
         self.output_text = ""
         self.emitted_text_len = 0

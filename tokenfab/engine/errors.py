@@ -1,0 +1,26 @@
+"""Errors the engine raises to its callers (the server maps them to HTTP statuses)."""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a device error, or it was shut down): no more requests are served
+    (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside an engine step (its constraint raised, its rows of the forward
+    failed...). Only that request is affected; the others go on (HTTP 500 for that request)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows (HTTP 429)."""
+
+
+def is_device_fatal(error: BaseException) -> bool:
+    """Whether ``error`` means the accelerator is gone (a CUDA error poisons the context: every
+    later kernel launch fails too), so no request can be served any more."""
+    accel = getattr(__import__("torch"), "AcceleratorError", None)
+    if accel is not None and isinstance(error, accel):
+        return True
+    return "CUDA error" in str(error) or "CUBLAS_STATUS" in str(error)
