@@ -17,6 +17,7 @@ class ForwardBatch:
     context_lens: [B] int32, keys of sequence b after this step (cached + new)
     logits_indices: [R] int64, rows of the hidden states whose logits are wanted
     max_query_len, max_context_len: host ints (known when the batch is built; no sync)
+    prompt_indices: [P] int64 or None, rows whose hidden states are kept for prompt logprobs
     """
 
     input_ids: torch.Tensor
@@ -28,6 +29,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     max_query_len: int
     max_context_len: int
+    prompt_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,13 @@
 """The paged KV cache's block manager, with prefix caching.
 
-Blocks hold ``block_size`` tokens. A full block is identified by a hash chained over the
-whole prefix up to and including it (hash(parent_hash, its tokens)), so equal blocks at
-different prefixes never match. Every block has a reference count; a block whose count
+Blocks hold ``block_size`` tokens. A full block is identified by a digest chained over the
+whole prefix up to and including it (BLAKE2b-128 of the parent's digest and the block's token
+bytes), so equal blocks at different prefixes never match, and nobody can compute a collision
+(Python's ``hash()`` of ints is unsalted: colliding prompts can be found offline, and a collision
+would serve one user another user's KV). A request's ``cache_salt`` is mixed into the first
+block's digest only: requests with different salts never share a block, equal salts do.
+
+Every block has a reference count; a block whose count
 drops to zero goes to the free queue but keeps its hash, so a later request with the same
 prefix can take it back (a prefix-cache hit) until its memory is needed: allocation takes
 the least recently freed block first (LRU) and only then forgets its hash.
@@ -10,16 +15,34 @@ the least recently freed block first (LRU) and only then forgets its hash.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 from tokenfab.engine.sequence import Sequence
 
-_NO_PARENT = 0x5EED
+_DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
 
 
-def hash_block(parent: int, tokens: Seq[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def root_digest(cache_salt: str | None = None) -> bytes:
+    """The "parent" of a sequence's first block: a constant, or a digest of the salt."""
+    h = hashlib.blake2b(b"tokenfab-prefix-cache-root", digest_size=_DIGEST_SIZE)
+    if cache_salt is not None:
+        h.update(b"\x00salt\x00")
+        h.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+_ROOT = root_digest()
+
+
+def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:
+    """BLAKE2b-128 over the parent's digest and the block's tokens as int32 bytes (fixed width: no
+    two token lists share an encoding). Stable across processes, unlike ``hash()``."""
+    h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
+    h.update(array("i", tokens).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -30,8 +53,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # digest -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         # counters
         self.prefix_queries = 0  # prompt tokens looked up in the cache
@@ -57,12 +80,15 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
-    def _full_block_hashes(self, seq: Sequence, upto_tokens: int) -> list[int]:
+    def _full_block_hashes(self, seq: Sequence, upto_tokens: int) -> list[bytes]:
         """seq.block_hashes, extended in place to the full blocks within its first ``upto_tokens``
-        tokens (a block's hash depends only on tokens, which never change once known)."""
+        tokens (a block's digest depends only on tokens, which never change once known)."""
         bs = self.block_size
         hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else _NO_PARENT
+        if hashes:
+            parent = hashes[-1]
+        else:
+            parent = _ROOT if seq.cache_salt is None else root_digest(seq.cache_salt)
         for i in range(len(hashes), upto_tokens // bs):
             parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
@@ -73,6 +99,10 @@ class BlockManager:
         prefix (at least one token is left to compute, for the logits). Returns tokens hit."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
+            return 0
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            # a cached block has no logits: a request that scores its prompt computes all of it
+            self.prefix_queries += seq.num_tokens
             return 0
         hashes = self._full_block_hashes(seq, seq.num_tokens - 1)
         hit = 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.errors import EngineDeadError, is_device_fatal
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -140,6 +141,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size
         self._seqs: dict[str, Sequence] = {}
+        self._token_text: dict[int, str] = {}  # token id -> its text alone (logprob entries)
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -161,9 +163,18 @@ class LLMEngine:
             budget = self._cuda_kv_budget(args)
         else:
             budget = args.kv_cache_memory or default_cpu_kv_bytes()
+        per_seq = -(-self.max_model_len // args.block_size)
+        blocks = budget // per_block
+        if blocks < per_seq:
+            what = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
+            raise ValueError(
+                f"the KV cache budget ({max(budget, 0) / 2**20:.0f} MiB, {max(blocks, 0)} blocks of "
+                f"{args.block_size} tokens) cannot hold one sequence of max_model_len={self.max_model_len} "
+                f"tokens ({per_seq} blocks, {per_seq * per_block / 2**20:.0f} MiB): raise {what} or lower "
+                "--max-model-len"
+            )
         # never more than what max_num_seqs full-length sequences could use
-        cap = -(-self.max_model_len // args.block_size) * max(args.max_num_seqs, 1)
-        return max(1, min(budget // per_block, cap))
+        return min(blocks, per_seq * max(args.max_num_seqs, 1))
 
     def _cuda_kv_budget(self, args: EngineArgs) -> int:
         """A fraction of the GPU's memory, less weights and the measured activation peak of a
@@ -271,31 +282,166 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One model step. A failure that belongs to some requests (their rows of the forward,
+        their sampling, their constraint) fails only those (finish_reason "error"); a device
+        error raises EngineDeadError."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return self._unschedulable()
         now = time.time()
-        sample_mask = [
-            seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        ]
-        fwd = self.runner.prepare(batch.seqs, batch.num_new_tokens, sample_mask)
-        logits = self.runner.execute(fwd)
-        sampling = [s for s, m in zip(batch.seqs, sample_mask) if m]
-        sampled = sample_next(logits, sampling, self.eos_token_ids) if sampling else None
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        starts = [s.num_computed_tokens for s in seqs]
+        # a chunk that reaches the end of the known tokens yields the next token (max_tokens 0: none)
+        done = [st + n == s.num_tokens for s, st, n in zip(seqs, starts, counts)]
+        sample_mask = [d and s.params.max_tokens != 0 for s, d in zip(seqs, done)]
+        prompt_rows = [self._prompt_rows(s, st, n) for s, st, n in zip(seqs, starts, counts)]
+        scoring = any(b > a for a, b in prompt_rows)
+        failed: dict[int, str] = {}
+        logits, hidden = self._forward(seqs, counts, sample_mask, prompt_rows if scoring else None, failed)
+        # the rows of logits (and hidden) are those of the sequences that did not fail, in order
+        sampling = [i for i, m in enumerate(sample_mask) if m and i not in failed]
+        sampled = self._sample([seqs[i] for i in sampling], logits)
         self.num_steps += 1
-        self._last = (len(batch.seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        self._last = (len(seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
+        row = 0
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+            if i in failed:
+                continue
+            a, b = prompt_rows[i]
+            if b > a:
+                try:
+                    self._score_prompt(seq, starts[i] + a, hidden[row : row + b - a])
+                except EngineDeadError:
+                    raise
+                except Exception as e:
+                    self._raise_if_fatal(e)
+                    failed[i] = f"scoring the prompt failed: {e}"
+                row += b - a
+                if i in failed:
+                    continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.computed_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq)
         outputs = []
-        for i, seq in enumerate(sampling):
-            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+        for i, message in failed.items():
+            self._fail(seqs[i], message)
+            outputs.append(self._output(seqs[i]))
+        for i, result in zip(sampling, sampled):
+            seq = seqs[i]
+            if seq.is_finished:  # failed while scoring its prompt
+                continue
+            if isinstance(result, str):
+                self._fail(seq, result)
+            else:
+                try:
+                    self._append_token(seq, *result)
+                except Exception as e:
+                    self._raise_if_fatal(e)
+                    self._fail(seq, f"processing the sampled token failed: {e}")
             outputs.append(self._output(seq))
+        for i, seq in enumerate(seqs):
+            if done[i] and not sample_mask[i] and not seq.is_finished:  # max_tokens 0: prefill only
+                self._finish(seq, "length")
+                outputs.append(self._output(seq))
         return outputs
+
+    def _prompt_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
+        """The chunk offsets [a, b) whose logits score prompt tokens not scored yet: the logits
+        at position q score the token at q + 1."""
+        if seq.prompt_logprobs is None:
+            return (0, 0)
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        return (first - start, end - start) if end > first else (0, 0)
+
+    def _forward(
+        self, seqs: list[Sequence], counts: list[int], sample_mask: list[bool],
+        prompt_rows: list[tuple[int, int]] | None, failed: dict[int, str],
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits of the sampled rows and hidden states of the prompt rows, in batch order, of the
+        sequences whose forward succeeded. If the batched forward fails, each sequence is run
+        alone (rewriting the same K/V is harmless) and the ones that fail again go to ``failed``."""
+        try:
+            return self.runner.execute_scoring(self.runner.prepare(seqs, counts, sample_mask, prompt_rows))
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            self._raise_if_fatal(e)
+            log.warning("the forward of %d sequences failed (%r); running them one by one", len(seqs), e)
+        logits: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            try:
+                rows = None if prompt_rows is None else [prompt_rows[i]]
+                lg, hd = self.runner.execute_scoring(self.runner.prepare([seq], [n], [sample_mask[i]], rows))
+            except EngineDeadError:
+                raise
+            except Exception as e:
+                self._raise_if_fatal(e)
+                failed[i] = f"the model's forward failed for this request: {e}"
+                continue
+            logits.append(lg)
+            if hd is not None:
+                hidden.append(hd)
+        return (torch.cat(logits) if logits else None), (torch.cat(hidden) if hidden else None)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[tuple | str]:
+        """Per row: (token, logprobs) or the error message of a row whose sampling failed (the
+        batch is re-sampled row by row to find it: ``sample_next`` leaves ``logits`` untouched)."""
+        if not seqs:
+            return []
+        try:
+            out = sample_next(logits, seqs, self.eos_token_ids)
+            return list(zip(out.token_ids, out.logprobs))
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            self._raise_if_fatal(e)
+            log.warning("sampling %d rows failed (%r); sampling them one by one", len(seqs), e)
+        results: list[tuple | str] = []
+        for r, seq in enumerate(seqs):
+            try:
+                out = sample_next(logits[r : r + 1], [seq], self.eos_token_ids)
+                results.append((out.token_ids[0], out.logprobs[0]))
+            except Exception as e:
+                self._raise_if_fatal(e)
+                results.append(f"sampling failed for this request: {e}")
+        return results
+
+    def _score_prompt(self, seq: Sequence, first_pos: int, hidden: torch.Tensor, piece: int = 256) -> None:
+        """Append the logprobs of prompt tokens first_pos+1 .. first_pos+len(hidden) (and their
+        top-k) from the hidden states at positions first_pos..: the LM head in pieces of ``piece``
+        rows, log-softmax in float32."""
+        k = seq.params.prompt_logprobs or 0
+        targets = seq.token_ids[first_pos + 1 : first_pos + 1 + hidden.shape[0]]
+        target_t = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+        for lo in range(0, hidden.shape[0], piece):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + piece]).float(), dim=-1)
+            t = target_t[lo : lo + piece]
+            chosen = lp.gather(1, t[:, None]).squeeze(1)
+            ranks = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
+            chosen_l = chosen.tolist()
+            top_v, top_i = (x.tolist() for x in lp.topk(k, dim=-1))
+            for j, tok in enumerate(targets[lo : lo + piece]):
+                entry = {
+                    alt: Logprob(v, r + 1, self._decode_one(alt)) for r, (alt, v) in enumerate(zip(top_i[j], top_v[j]))
+                }
+                entry.setdefault(tok, Logprob(chosen_l[j], ranks[j], self._decode_one(tok)))
+                seq.prompt_logprobs.append(entry)
+
+    def _raise_if_fatal(self, error: BaseException) -> None:
+        if isinstance(error, EngineDeadError):
+            raise error
+        if is_device_fatal(error):
+            raise EngineDeadError(f"the device failed, the engine cannot go on: {error}") from error
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        seq.error = message
+        self._finish(seq, "error")
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing fits although nothing runs: the head request exceeds the whole cache."""
@@ -327,7 +473,9 @@ class LLMEngine:
                 self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, p.skip_special_tokens
             )
             seq.output_text += new_text
-            if p.stop and new_text and self._check_stop_strings(seq, len(new_text)):
+            # stop strings count only once min_tokens are generated (vLLM)
+            if p.stop and new_text and seq.num_output_tokens >= p.min_tokens \
+                    and self._check_stop_strings(seq, len(new_text)):
                 return self._finish(seq, "stop")
         if seq.num_output_tokens >= p.min_tokens:
             if is_eos:
@@ -361,7 +509,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _decode_one(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
@@ -388,7 +541,7 @@ class LLMEngine:
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
         return RequestOutput(
             seq.request_id, seq.prompt, seq.prompt_token_ids, [out], finished,
-            seq.num_cached_tokens, metrics,
+            seq.num_cached_tokens, metrics, seq.prompt_logprobs, seq.error,
         )
 
     # ---- stats ----------------------------------------------------------------------

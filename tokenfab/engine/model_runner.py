@@ -79,9 +79,13 @@ class ModelRunner:
             m.kv_cache = self.kv_cache[i]
 
     def prepare(
-        self, seqs: list[Sequence], num_new_tokens: list[int], sample_mask: list[bool]
+        self, seqs: list[Sequence], num_new_tokens: list[int], sample_mask: list[bool],
+        prompt_rows: list[tuple[int, int]] | None = None,
     ) -> ForwardBatch:
-        """Flatten the scheduled chunks into one batch (host lists -> one copy to device)."""
+        """Flatten the scheduled chunks into one batch (host lists -> one copy to device).
+
+        ``prompt_rows``: per sequence, the (first, end) offsets inside its chunk whose hidden
+        states are kept for prompt logprobs (``execute_scoring``); None: none anywhere."""
         input_ids: list[int] = []
         positions: list[int] = []
         cu = [0]
@@ -104,6 +108,11 @@ class ModelRunner:
         block_of_token = tables_t[seq_of_token, pos_t // self.block_size].long()
         slots = block_of_token * self.block_size + pos_t % self.block_size
         logits_idx = [cu[i + 1] - 1 for i, s in enumerate(sample_mask) if s]
+        prompt_idx = None
+        if prompt_rows is not None:
+            rows = [r for i, (a, b) in enumerate(prompt_rows) for r in range(cu[i] + a, cu[i] + b)]
+            if rows:
+                prompt_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=pos_t.to(dev, non_blocking=True),
@@ -114,12 +123,24 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True),
             max_query_len=max(num_new_tokens),
             max_context_len=max(ctx_lens),
+            prompt_indices=prompt_idx,
         )
+
+    @torch.inference_mode()
+    def execute_scoring(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] for batch.logits_indices and the hidden states [P, H] of
+        batch.prompt_indices (None without them): the LM head runs on those rows later, in
+        pieces, so a long prompt's logits never exist all at once."""
+        if batch.prompt_indices is None:
+            return self.execute(batch), None
+        hidden = self.model(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return logits, hidden.index_select(0, batch.prompt_indices)
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] float32 for the rows in batch.logits_indices."""
-        if self.graphs is not None and batch.max_query_len == 1:
+        if self.graphs is not None and batch.max_query_len == 1 and batch.prompt_indices is None:
             n = self.graphs.padded_size(batch.num_seqs)
             if n is not None and batch.logits_indices.shape[0] == batch.num_seqs:
                 return self.graphs.replay(batch, n)

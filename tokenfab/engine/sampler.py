@@ -1,7 +1,22 @@
-"""From a step's logits to next tokens: penalties, constraints, then the batched sample op.
+"""From a step's logits to next tokens. The semantics are vLLM's, in this order:
 
-Everything is one tensor op over the batch rows; the only per-row Python is for rows that
-carry a grammar constraint (which is per-request state by nature).
+1. ``logit_bias`` is added to the raw logits (one ``index_put_`` over the batch's (row, token, bias)
+   triples);
+2. penalties: presence/frequency on the generated tokens (OpenAI's definition), repetition on the
+   prompt and generated tokens (divide positive logits, multiply negative ones; CTRL/transformers);
+3. ``min_tokens``: until a request has generated that many tokens, its EOS and ``stop_token_ids``
+   are masked to -inf (stop strings are not checked before then either; see LLMEngine);
+4. the grammar constraint masks its row;
+5. the filters and the draw (``kernels.sampling``): temperature, then top-k, then top-p on the
+   renormalised top-k distribution, then min-p; temperature 0 is the argmax. ``top_k`` larger than
+   the vocabulary is off.
+
+Randomness: each request has a 63-bit base seed (its ``seed``, or one drawn from OS entropy when
+unseeded) and every step's row seed is a hash of (base seed, tokens generated so far), so a draw
+never depends on the rest of the batch. Returned logprobs are those of the raw logits (vLLM's
+default "raw" mode). The input logits are never modified (the engine may re-sample a row alone
+after a failure), and everything is one tensor op over the batch rows; the only per-row Python is
+for rows that carry a grammar constraint (per-request state by nature).
 """
 
 from __future__ import annotations
@@ -36,6 +51,24 @@ def _pad_tokens(rows: list[list[int]], device: torch.device, pad: int) -> torch.
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Add each request's ``logit_bias`` to its row, in place; returns logits."""
+    rows: list[int] = []
+    toks: list[int] = []
+    vals: list[float] = []
+    for i, s in enumerate(seqs):
+        bias = s.params.logit_bias
+        if bias:
+            rows += [i] * len(bias)
+            toks += bias.keys()
+            vals += bias.values()
+    if rows:
+        dev = logits.device
+        idx = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Presence/frequency penalties on generated tokens (OpenAI's definition) and the
     repetition penalty on prompt + generated tokens (divide positive logits, multiply
@@ -55,28 +88,46 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         seen = torch.zeros(len(seqs), v + 1, dtype=torch.bool, device=dev).scatter_(1, toks, True)[:, :v]
         r = torch.tensor(rep, device=dev)[:, None]
         penalized = torch.where(logits > 0, logits / r, logits * r)
-        logits = torch.where(seen, penalized, logits)
+        logits.copy_(torch.where(seen, penalized, logits))
     return logits
 
 
 def _min_tokens_mask(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> None:
+    """EOS and stop_token_ids to -inf for rows that have not generated ``min_tokens`` yet."""
+    rows: list[int] = []
+    toks: list[int] = []
     for i, s in enumerate(seqs):
         if s.num_output_tokens < s.params.min_tokens:
             banned = list(s.params.stop_token_ids or []) + ([] if s.params.ignore_eos else eos_ids)
-            if banned:
-                logits[i, banned] = float("-inf")
+            rows += [i] * len(banned)
+            toks += banned
+    if rows:
+        dev = logits.device
+        logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+
+
+def _needs_edit(s: Sequence) -> bool:
+    p = s.params
+    return bool(
+        p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        or p.constraint is not None or s.num_output_tokens < p.min_tokens
+    )
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
-    """Pick one token per row of ``logits`` [R, V] (R == len(seqs))."""
+    """Pick one token per row of ``logits`` [R, V] (R == len(seqs)); ``logits`` is left as it was."""
     dev = logits.device
+    v = logits.shape[1]
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
-    raw = logits.clone() if want_logprobs else logits
-    logits = apply_penalties(logits, seqs)
-    _min_tokens_mask(logits, seqs, eos_ids)
-    for i, s in enumerate(seqs):
-        if s.params.constraint is not None:
-            s.params.constraint.mask_logits(logits[i])
+    raw = logits
+    if any(_needs_edit(s) for s in seqs):
+        logits = logits.clone()  # edits below are in place; the caller's tensor stays raw
+        apply_logit_bias(logits, seqs)
+        logits = apply_penalties(logits, seqs)
+        _min_tokens_mask(logits, seqs, eos_ids)
+        for i, s in enumerate(seqs):
+            if s.params.constraint is not None:
+                s.params.constraint.mask_logits(logits[i])
     if all(s.params.temperature == 0.0 for s in seqs):
         tokens = argmax(logits)
     else:
@@ -84,7 +135,7 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
         tokens = sample(
             logits,
             torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
-            torch.tensor([x.top_k for x in p], dtype=torch.int64, device=dev),
+            torch.tensor([x.top_k if x.top_k < v else 0 for x in p], dtype=torch.int64, device=dev),
             torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
             torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev),
             torch.tensor([step_seed(s.base_seed, s.num_output_tokens) for s in seqs], dtype=torch.int64, device=dev),
