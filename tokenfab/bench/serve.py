@@ -1,12 +1,19 @@
-"""`tokenfab bench serve`: a load generator for any OpenAI-compatible server.
+"""`tokenfab bench serve`: a load generator for OpenAI-compatible servers, with an optional peer.
 
-For each concurrency level it keeps that many streaming requests in flight until
-``--num-requests`` have finished, and reports request throughput, output tokens/s, and time to
-first token (TTFT), time per output token (TPOT: (last - first token time) / (tokens - 1)) and
-inter-token latency (ITL: gaps between streamed chunks) at p50/p90/p99, as a Markdown table, JSON
-(``--json``) and a PNG (``--plot``).
+For each concurrency level it keeps that many requests in flight until ``--num-requests`` have
+finished, and reports request throughput, output tokens/s, end-to-end latency and, for streamed
+requests, time to first token (TTFT), time per output token (TPOT: (last - first token time) /
+(tokens - 1)) and inter-token latency (ITL, per token: see ``serve_client``) at p50/p90/p99, as a
+Markdown table, JSON (``--json``) and a PNG (``--plot``).
 
-    tokenfab bench serve --base-url http://127.0.0.1:8000 --concurrency 1,4,16 --num-requests 32
+A peer in the same run (``--llama-cpp`` starts llama.cpp's server on the same GGUF with
+``scripts/llama_cpp_server.sh``; ``--peer-base-url`` names any other) gets the same prompts,
+output lengths, warm-up and levels, interleaved with ours level by level. Where the peer cannot
+stream at a level (llama.cpp above concurrency 1), it gets non-streamed requests, and so does our
+server in an extra row at that level, so that every peer row has a like-for-like row of ours.
+The command exits with 1 when any request failed.
+
+    tokenfab bench serve --base-url http://127.0.0.1:8000 --concurrency 1,4,16 --num-requests 32 --llama-cpp
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenfab.bench.common import git_commit
+from tokenfab.bench.serve_client import RequestResult, one_plain, one_streamed
 
 _WORDS = (
     "the a model token server batch cache kernel stream request latency memory block prefix decode prefill "
@@ -32,20 +41,18 @@ _WORDS = (
 
 
 @dataclass
-class RequestResult:
-    ok: bool
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0  # seconds
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
+class Target:
+    """A server under test: where it is, what it is called, how it is asked."""
 
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens <= 1:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+    label: str
+    root: str
+    model: str | None = None
+    stream_up_to: int | None = None  # stream at concurrency <= this (None: always)
+    adapt: Any = None  # payload -> payload, for servers that name things differently
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def streams_at(self, concurrency: int) -> bool:
+        return self.stream_up_to is None or concurrency <= self.stream_up_to
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +69,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENFAB_API_KEY"))
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring (each server)")
+    parser.add_argument("--continuous-usage", action="store_true",
+                        help="ask for running usage in every chunk (vLLM's stream_options.continuous_usage_stats) "
+                             "to count each chunk's tokens exactly")
     parser.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
     parser.add_argument("--label", default=None, help="name of the server in the report")
+    parser.add_argument("--settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the server under test to print in the report (repeatable), "
+                             "e.g. dtype=float32 threads=2")
+    peer = parser.add_argument_group("peer (measured in the same run, interleaved level by level)")
+    peer.add_argument("--llama-cpp", action="store_true",
+                      help="start llama.cpp's server on the bundled GGUF (scripts/llama_cpp_server.sh) as the peer")
+    peer.add_argument("--peer-base-url", default=None, help="an already running peer (with --llama-cpp: "
+                      "a llama_cpp.server started by hand)")
+    peer.add_argument("--peer-label", default=None)
+    peer.add_argument("--peer-model", default=None, help="the peer's model name (default: its first)")
+    peer.add_argument("--peer-stream-up-to", type=int, default=None,
+                      help="stream to the peer only up to this concurrency, non-streamed above "
+                           "(default: always stream; 1 with --llama-cpp)")
 
 
 def _prompts(n: int, words: int, seed: int) -> list[str]:
@@ -83,58 +106,12 @@ def _root(base_url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-async def _one(client: Any, url: str, payload: dict[str, Any], timeout: float) -> RequestResult:
-    start = time.perf_counter()
-    first: float | None = None
-    last = start
-    chunks = 0
-    itls: list[float] = []
-    usage: dict[str, Any] | None = None
-    try:
-        async with client.stream("POST", url, json=payload, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                return RequestResult(False, f"HTTP {resp.status_code}: {body[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    return RequestResult(False, str(msg["error"])[:200])
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                has_text = False
-                for choice in msg.get("choices") or []:
-                    text = choice.get("text")
-                    if text is None:
-                        text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        has_text = True
-                if has_text:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        itls.append(now - last)
-                    last = now
-                    chunks += 1
-    except Exception as e:  # network errors, timeouts
-        return RequestResult(False, f"{type(e).__name__}: {e}"[:200])
-    end = time.perf_counter()
-    if first is None:
-        return RequestResult(False, "no tokens received")
-    out_tokens = int(usage.get("completion_tokens", chunks)) if usage else chunks
-    prompt_tokens = int(usage.get("prompt_tokens", 0)) if usage else 0
-    return RequestResult(True, prompt_tokens=prompt_tokens, output_tokens=out_tokens, ttft=first - start,
-                         e2e=last - start if last > start else end - start, itls=itls)
-
-
-def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
-    p: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "stream": True,
-                         "stream_options": {"include_usage": True}, "temperature": 0.0}
+def _payload(args: argparse.Namespace, model: str, prompt: str, stream: bool) -> dict[str, Any]:
+    p: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "stream": stream, "temperature": 0.0}
+    if stream:
+        p["stream_options"] = {"include_usage": True}
+        if args.continuous_usage:  # vLLM's running usage: exact token counts per chunk
+            p["stream_options"]["continuous_usage_stats"] = True
     if args.endpoint == "chat":
         p["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -154,8 +131,41 @@ def _pct(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
             "p99": float(np.percentile(a, 99))}
 
 
-async def _level(client: Any, args: argparse.Namespace, model: str, url: str, concurrency: int,
-                 prompts: list[str]) -> dict[str, Any]:
+async def _request(client: Any, args: argparse.Namespace, target: Target, prompt: str, stream: bool) -> RequestResult:
+    payload = _payload(args, target.model or "", prompt, stream)
+    if target.adapt is not None:
+        payload = target.adapt(payload)
+    url = f"{target.root}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+    if stream:
+        return await one_streamed(client, url, payload, args.timeout)
+    return await one_plain(client, url, payload, args.timeout)
+
+
+def summarize_level(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "mean_input_tokens": in_tokens / len(ok) if ok else 0.0,
+        "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
+        "token_counts": sorted({r.token_counts for r in ok if r.token_counts}),
+        "ttft_ms": _pct([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _pct([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _pct([x for r in ok for x in r.itls]),
+        "e2e_ms": _pct([r.e2e for r in ok]),
+    }
+
+
+async def _level(client: Any, args: argparse.Namespace, target: Target, concurrency: int, prompts: list[str],
+                 stream: bool) -> dict[str, Any]:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -167,32 +177,18 @@ async def _level(client: Any, args: argparse.Namespace, model: str, url: str, co
                 prompt = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await _one(client, url, _payload(args, model, prompt), args.timeout))
+            results.append(await _request(client, args, target, prompt, stream))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    duration = time.perf_counter() - t0
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    errors = sorted({r.error for r in results if not r.ok})
-    return {
-        "concurrency": concurrency,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors[:5],
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "mean_input_tokens": in_tokens / len(ok) if ok else 0.0,
-        "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
-        "ttft_ms": _pct([r.ttft for r in ok]),
-        "tpot_ms": _pct([t for r in ok if (t := r.tpot) is not None]),
-        "itl_ms": _pct([x for r in ok for x in r.itls]),
-        "e2e_ms": _pct([r.e2e for r in ok]),
-    }
+    row = {"server": target.label, "concurrency": concurrency, "stream": stream,
+           **summarize_level(results, time.perf_counter() - t0)}
+    print(f"{target.label} concurrency {concurrency} ({'streamed' if stream else 'not streamed'}): "
+          f"{row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f}s, "
+          f"{row['output_throughput']:.1f} output tok/s", file=sys.stderr, flush=True)
+    for err in row["errors"]:
+        print(f"  error: {err}", file=sys.stderr)
+    return row
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -200,17 +196,19 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    head = ("| concurrency | ok/total | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) "
-            "| TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) |")
-    lines = [head, "|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ("| server | concurrency | streamed | ok/total | req/s | output tok/s | E2E p50 / p99 (ms) "
+            "| TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def trio(d: dict[str, float | None]) -> str:
-        return f"{_fmt(d['p50'])} / {_fmt(d['p90'])} / {_fmt(d['p99'])}"
+        return "-" if d["p50"] is None else f"{_fmt(d['p50'])} / {_fmt(d['p90'])} / {_fmt(d['p99'])}"
 
     for r in results:
-        lines.append(f"| {r['concurrency']} | {r['completed']}/{r['num_requests']} | "
-                     f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {trio(r['ttft_ms'])} | "
-                     f"{trio(r['tpot_ms'])} | {trio(r['itl_ms'])} |")
+        e2e = r["e2e_ms"]
+        lines.append(f"| {r.get('server', '')} | {r['concurrency']} | {'yes' if r.get('stream', True) else 'no'} | "
+                     f"{r['completed']}/{r['num_requests']} | {r['request_throughput']:.2f} | "
+                     f"{r['output_throughput']:.1f} | {_fmt(e2e['p50'], 0)} / {_fmt(e2e['p99'], 0)} | "
+                     f"{trio(r['ttft_ms'])} | {trio(r['tpot_ms'])} | {trio(r['itl_ms'])} |")
     return "\n".join(lines)
 
 
@@ -220,100 +218,137 @@ def plot(results: list[dict[str, Any]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    conc = [r["concurrency"] for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(conc, [r["output_throughput"] for r in results], "o-")
-    for c, r in zip(conc, results):
-        axes[0].annotate(f"{r['request_throughput']:.2f} req/s", (c, r["output_throughput"]),
-                         textcoords="offset points", xytext=(4, -12), fontsize=8)
-    axes[0].set_ylabel("output tokens/s")
-    axes[0].set_title("throughput")
-    for ax, key, name in ((axes[1], "ttft_ms", "time to first token"), (axes[2], "tpot_ms", "time per output token")):
-        for q, style in (("p50", "o-"), ("p90", "^--"), ("p99", "v:")):
-            ax.plot(conc, [r[key][q] if r[key][q] is not None else float("nan") for r in results], style, label=q)
-        ax.set_title(name)
-        ax.set_ylabel("ms")
-        ax.legend()
-    for ax in axes:
+    series: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for r in results:
+        series.setdefault((r.get("server", ""), r.get("stream", True)), []).append(r)
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
+    panels = ((axes[0], lambda r: r["output_throughput"], "output tokens/s", "throughput"),
+              (axes[1], lambda r: r["e2e_ms"]["p50"], "ms", "end-to-end latency p50"),
+              (axes[2], lambda r: r["ttft_ms"]["p50"], "ms", "time to first token p50 (streamed)"),
+              (axes[3], lambda r: r["itl_ms"]["p50"], "ms", "inter-token latency p50, per token (streamed)"))
+    for ax, get, unit, name in panels:
+        for (server, stream), rows in series.items():
+            xs = [r["concurrency"] for r in rows]
+            ys = [v if (v := get(r)) is not None else float("nan") for r in rows]
+            if all(y != y for y in ys):  # nothing to draw (not streamed)
+                continue
+            ax.plot(xs, ys, "o-" if stream else "s--", label=f"{server} ({'streamed' if stream else 'not streamed'})")
+        ax.set_title(name, fontsize=10)
+        ax.set_ylabel(unit)
+        levels = sorted({r["concurrency"] for r in results})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(conc)
-        ax.set_xticklabels([str(c) for c in conc])
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
         ax.set_xlabel("concurrency")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or None
-    except Exception:
-        return None
+def _settings(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--settings: give KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+async def _resolve_model(client: Any, target: Target) -> None:
+    if target.model is None:
+        r = await client.get(f"{target.root}/v1/models")
+        r.raise_for_status()
+        target.model = r.json()["data"][0]["id"]
+
+
+async def _main(args: argparse.Namespace, targets: list[Target], transport: Any = None) -> list[dict[str, Any]]:
     import httpx
 
-    root = _root(args.base_url)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency: give positive integers, e.g. 1,4,16")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(f"{root}/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        url = f"{root}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
-        for p in _prompts(args.warmup, args.input_len, args.seed + 10_000):
-            w = await _one(client, url, _payload(args, model, p), args.timeout)
-            if not w.ok:
-                raise SystemExit(f"warm-up request failed: {w.error}")
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout, transport=transport) as client:
+        for t in targets:
+            await _resolve_model(client, t)
+            for p in _prompts(args.warmup, args.input_len, args.seed + 10_000):
+                w = await _request(client, args, t, p, t.streams_at(1))
+                if not w.ok:
+                    raise SystemExit(f"{t.label}: warm-up request failed: {w.error}")
+        ours, peers = targets[0], targets[1:]
         results = []
         for i, c in enumerate(levels):
             prompts = _prompts(args.num_requests, args.input_len, args.seed + i)
-            res = await _level(client, args, model, url, c, prompts)
-            results.append(res)
-            print(f"concurrency {c}: {res['completed']}/{res['num_requests']} ok in {res['duration_s']:.1f}s, "
-                  f"{res['output_throughput']:.1f} output tok/s", file=sys.stderr, flush=True)
-            for err in res["errors"]:
-                print(f"  error: {err}", file=sys.stderr)
-    return {
+            results.append(await _level(client, args, ours, c, prompts, True))
+            for peer in peers:
+                stream = peer.streams_at(c)
+                results.append(await _level(client, args, peer, c, prompts, stream))
+                if not stream and not any(r["server"] == ours.label and r["concurrency"] == c and not r["stream"]
+                                          for r in results):
+                    results.append(await _level(client, args, ours, c, prompts, False))  # like for like
+    return results
+
+
+def run(args: argparse.Namespace, transport: Any = None) -> int:
+    ours = Target(args.label or "tokenfab", _root(args.base_url), args.model, settings=_settings(args.settings))
+    targets = [ours]
+    launched = None
+    try:
+        if args.llama_cpp:
+            from tokenfab.bench import llama_cpp_peer
+
+            url = args.peer_base_url
+            if url is None:
+                launched = llama_cpp_peer.LlamaCppServer()
+                url = launched.url
+            stream_up_to = 1 if args.peer_stream_up_to is None else args.peer_stream_up_to
+            targets.append(Target(args.peer_label or "llama.cpp", _root(url), args.peer_model, stream_up_to,
+                                  llama_cpp_peer.peer_payload, llama_cpp_peer.settings()))
+        elif args.peer_base_url:
+            targets.append(Target(args.peer_label or _root(args.peer_base_url), _root(args.peer_base_url),
+                                  args.peer_model, args.peer_stream_up_to))
+        results = asyncio.run(_main(args, targets, transport))
+    finally:
+        if launched is not None:
+            launched.stop()
+    report = {
         "benchmark": "serve",
-        "label": args.label or root,
-        "base_url": root,
-        "model": model,
+        "label": ours.label,
+        "base_url": ours.root,
+        "model": ours.model,
+        "servers": [{"label": t.label, "base_url": t.root, "model": t.model, "settings": t.settings,
+                     "streamed_up_to_concurrency": t.stream_up_to} for t in targets],
         "endpoint": args.endpoint,
         "input_len_words": args.input_len,
         "output_len": args.output_len,
         "ignore_eos": args.ignore_eos,
         "num_requests": args.num_requests,
+        "warmup_requests": args.warmup,
+        "itl": "per token: a chunk of k tokens after a gap dt gives k intervals of dt/k (bench/serve_client.py)",
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
-        "commit": _commit(),
+        "commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
     }
-
-
-def run(args: argparse.Namespace) -> int:
-    report = asyncio.run(_main(args))
-    print(f"\n{report['label']} · model {report['model']} · {report['endpoint']} · "
-          f"~{args.input_len} words in, {args.output_len} tokens out · {args.num_requests} requests per level\n")
-    print(markdown_table(report["results"]))
+    names = " vs ".join(f"{t.label} ({t.model})" for t in targets)
+    print(f"\n{names} · {args.endpoint} · ~{args.input_len} words in, {args.output_len} tokens out · "
+          f"{args.num_requests} requests per level\n")
+    print(markdown_table(results))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
-        plot(report["results"], args.plot, f"{report['model']} @ {report['label']}")
-    failed = sum(r["failed"] for r in report["results"])
-    return 1 if failed and failed == sum(r["num_requests"] for r in report["results"]) else 0
+        plot(results, args.plot, f"{names} · ~{args.input_len} words in, {args.output_len} tokens out")
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        print(f"\n{failed} request(s) failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
-__all__ = ["add_arguments", "run", "markdown_table", "plot", "RequestResult"]
+__all__ = ["add_arguments", "run", "markdown_table", "plot", "RequestResult", "summarize_level"]
