@@ -6,8 +6,20 @@ on any device, in the reference and in the Triton kernel alike. The engine deriv
 step's row seed from the request's seed and the number of tokens generated so far.
 
 Sampling is the exponential race: token = argmax_i p_i / E_i with E_i = -log(u_i), which
-draws from p without a cumulative sum. Filters, in order: temperature, top-k, top-p,
-min-p. A temperature of 0 means greedy (argmax of the raw logits).
+draws from p without a cumulative sum. A temperature of 0 means greedy (argmax of the raw
+logits, the first index on ties). Otherwise the filters are vLLM's, in vLLM's order:
+
+1. temperature: p = softmax(logits / T);
+2. top-k (k <= 0 or k >= V: off): keep the k most likely tokens;
+3. top-p (p >= 1: off), on the distribution that top-k left, renormalised: keep the smallest
+   set of most likely tokens whose mass reaches top_p times the top-k set's mass, i.e. a token
+   stays while the mass of the tokens more likely than it is below that (always at least one);
+4. min-p (0: off): keep the tokens whose probability is at least min_p times the largest
+   (relative, so renormalising changes nothing);
+
+then sample from the kept tokens, renormalised. Each filter keeps a set {p >= threshold}, so
+tokens of exactly equal probability at a boundary are kept or dropped together (vLLM's top-k
+does the same; its top-p breaks such ties by sort position, which is arbitrary).
 """
 
 from __future__ import annotations
@@ -43,22 +55,29 @@ def filter_probs_ref(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Probabilities after temperature, top-k (<=0: off), top-p (1: off), min-p (0: off).
+    """Probabilities after temperature, top-k (<=0: off), top-p (>=1: off), min-p (0: off).
 
-    Rows with temperature 0 are computed at temperature 1 (the caller takes argmax).
+    The filters' semantics are the module docstring's. Rows with temperature 0 are computed at
+    temperature 1 (the caller takes argmax).
     """
     v = logits.shape[-1]
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits.float() / t[:, None].float(), dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
+    # where each token's group of equal probabilities starts in the sorted row (= how many are larger)
+    larger = v - torch.searchsorted(sorted_p.flip(-1).contiguous(), sorted_p, right=True)
+    # top-k: the k largest, and every token tied with the k-th
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
-    rank = torch.arange(v, device=logits.device)[None, :]
-    keep = rank < k[:, None]
-    # top-p: keep the smallest prefix whose mass reaches top_p (always the first token)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep &= mass_before < top_p[:, None].float()
-    keep &= sorted_p >= (min_p[:, None].float() * sorted_p[:, :1])
-    keep[:, 0] = True
+    keep = sorted_p >= sorted_p.gather(-1, (k - 1)[:, None])
+    # top-p on the top-k distribution renormalised: keep a token while the mass strictly above it
+    # is below top_p * (mass of the top-k set)
+    kept_p = sorted_p * keep
+    k_on = ((top_k > 0) & (top_k < v))[:, None]
+    mass_k = torch.where(k_on, kept_p.sum(-1, keepdim=True), torch.ones_like(kept_p[:, :1]))
+    mass_above = (kept_p.cumsum(-1) - kept_p).gather(-1, larger)
+    keep &= (mass_above < top_p[:, None].float() * mass_k) | (top_p[:, None] >= 1.0) | (larger == 0)
+    # min-p: at least min_p times the largest probability (the most likely tokens always stay)
+    keep &= sorted_p >= (min_p[:, None].float().clamp(0.0, 1.0) * sorted_p[:, :1])
     sorted_p = sorted_p * keep
     out = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return out / out.sum(-1, keepdim=True)
@@ -94,6 +113,35 @@ def _hash_uniform_tl(seed, idx):
 
 
 @triton.jit
+def _search_tau(base, vocab, t, m, z, lo, hi, k_eff, p_lim, NUM_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The smallest fp32 tau in (lo, hi] (int32 bit patterns of non-negative floats) with
+    count(p > tau) < k_eff and mass(p > tau) < p_lim, by a NUM_T-way bisection (each pass over
+    the row narrows the interval NUM_T + 1 fold). Invariant: Q(lo) false, Q(hi) true."""
+    ti = tl.arange(0, NUM_T)
+    so = tl.arange(0, BLOCK_S)
+    while hi - lo > 1:
+        step = tl.cdiv(hi - lo, NUM_T + 1)
+        cand = tl.minimum(lo + (ti + 1) * step, hi)
+        thr = cand.to(tl.float32, bitcast=True)
+        cnts = tl.zeros((NUM_T,), tl.int32)
+        masses = tl.zeros((NUM_T,), tl.float32)
+        for v0 in range(0, vocab, BLOCK_S):
+            idx = v0 + so
+            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+            p = tl.exp(y - m) / z
+            gt = p[None, :] > thr[:, None]
+            cnts += tl.sum(gt.to(tl.int32), 1)
+            masses += tl.sum(tl.where(gt, p[None, :], 0.0), 1)
+        q = (cnts < k_eff) & (masses < p_lim)
+        n_false = tl.sum((q == 0).to(tl.int32), 0)
+        new_lo = tl.sum(tl.where(ti == n_false - 1, cand, 0), 0)
+        new_hi = tl.sum(tl.where(ti == n_false, cand, 0), 0)
+        lo = tl.where(n_false > 0, new_lo, lo)
+        hi = tl.where(n_false < NUM_T, new_hi, hi)
+    return hi
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, out_ptr,
     vocab, stride,
@@ -107,9 +155,9 @@ def _sample_kernel(
     softmax max and normaliser and the exponential race's winner w over all tokens
     (argmax of y - log E, y = logit / T). The filters keep {p >= tau} for a threshold tau, so
     w is the answer whenever it passes them: pass 2 counts the tokens above p_w and their
-    mass. Only when it fails is tau searched for, by a NUM_T-way bisection over the bit
-    patterns of fp32 probabilities (each pass narrows the interval NUM_T + 1 fold), followed
-    by one race over the kept tokens. No sort anywhere.
+    mass. Top-p needs the mass S_k of the top-k set; when bounds on it do not decide, the k-th
+    largest probability is searched for (``_search_tau``) and S_k summed. Only when w fails is
+    tau searched for, followed by one race over the kept tokens. No sort anywhere.
     """
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
@@ -152,16 +200,18 @@ def _sample_kernel(
         top_p = tl.load(topp_ptr + row).to(tl.float32)
         min_p = tl.load(minp_ptr + row).to(tl.float32)
         k_eff = tl.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-        k_eff = tl.where(top_p <= 0.0, 1, k_eff)  # top_p 0 keeps only the first token
+        k_eff = tl.where(top_p <= 0.0, 1, k_eff)  # top_p 0 keeps only the most likely tokens
         p_lim = tl.where((top_p < 1.0) & (top_p > 0.0), top_p, 2.0)  # 2.0: never binds
         p_max = tl.exp(m - m) / z
         tau_min = tl.minimum(tl.maximum(min_p, 0.0) * p_max, p_max)
         if (k_eff < vocab) | (p_lim < 2.0) | (tau_min > 0.0):
             y_w = tl.load(base + win).to(tl.float32) / t
             p_w = tl.exp(y_w - m) / z
-            # pass 2: does the winner survive the filters?
+            w_bits = p_w.to(tl.int32, bitcast=True)
+            # pass 2: the count and mass of the tokens above the winner, and the mass from it up
             cnt = 0
             mass = 0.0
+            mass_ge = 0.0
             for v0 in range(0, vocab, BLOCK_V):
                 idx = v0 + offs
                 y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
@@ -169,37 +219,31 @@ def _sample_kernel(
                 gt = p > p_w
                 cnt += tl.sum(gt.to(tl.int32), 0)
                 mass += tl.sum(tl.where(gt, p, 0.0), 0)
+                mass_ge += tl.sum(tl.where(p >= p_w, p, 0.0), 0)
+            # top-p is relative to the top-k set's mass S_k (1 without top-k). If w is in the top
+            # k, S_k >= mass_ge, which may already decide that w passes both; otherwise find S_k.
+            if (k_eff < vocab) & (p_lim < 2.0) & ((cnt >= k_eff) | (mass >= p_lim * mass_ge)):
+                in_k = cnt < k_eff
+                lo_k = tl.where(in_k, -1, w_bits)
+                hi_k = tl.where(in_k, w_bits, p_max.to(tl.int32, bitcast=True))
+                tau_k = _search_tau(base, vocab, t, m, z, lo_k, hi_k, k_eff, 2.0, NUM_T, BLOCK_S)
+                tau_k = tau_k.to(tl.float32, bitcast=True)
+                s_k = 0.0
+                for v0 in range(0, vocab, BLOCK_V):
+                    idx = v0 + offs
+                    y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+                    p = tl.exp(y - m) / z
+                    s_k += tl.sum(tl.where(p >= tau_k, p, 0.0), 0)
+                p_lim = p_lim * s_k
             q_w = (cnt < k_eff) & (mass < p_lim)
             if q_w & (p_w < tau_min):
                 tau = tau_min
             else:
                 tau = p_w
             if q_w == 0:
-                # NUM_T-way bisection for the smallest tau with count(p > tau) < k and
-                # mass(p > tau) < top_p. Invariant: Q(lo) false, Q(hi) true.
-                lo = p_w.to(tl.int32, bitcast=True)
+                lo = w_bits
                 hi = p_max.to(tl.int32, bitcast=True)
-                ti = tl.arange(0, NUM_T)
-                so = tl.arange(0, BLOCK_S)
-                while hi - lo > 1:
-                    step = tl.cdiv(hi - lo, NUM_T + 1)
-                    cand = tl.minimum(lo + (ti + 1) * step, hi)
-                    thr = cand.to(tl.float32, bitcast=True)
-                    cnts = tl.zeros((NUM_T,), tl.int32)
-                    masses = tl.zeros((NUM_T,), tl.float32)
-                    for v0 in range(0, vocab, BLOCK_S):
-                        idx = v0 + so
-                        y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
-                        p = tl.exp(y - m) / z
-                        gt = p[None, :] > thr[:, None]
-                        cnts += tl.sum(gt.to(tl.int32), 1)
-                        masses += tl.sum(tl.where(gt, p[None, :], 0.0), 1)
-                    q = (cnts < k_eff) & (masses < p_lim)
-                    n_false = tl.sum((q == 0).to(tl.int32), 0)
-                    new_lo = tl.sum(tl.where(ti == n_false - 1, cand, 0), 0)
-                    new_hi = tl.sum(tl.where(ti == n_false, cand, 0), 0)
-                    lo = tl.where(n_false > 0, new_lo, lo)
-                    hi = tl.where(n_false < NUM_T, new_hi, hi)
+                hi = _search_tau(base, vocab, t, m, z, lo, hi, k_eff, p_lim, NUM_T, BLOCK_S)
                 tau = tl.maximum(hi.to(tl.float32, bitcast=True), tau_min)
             if tau > p_w:
                 # the winner was filtered out: race again over the kept tokens {p >= tau}
