@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench mutation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/tokenfab bench throughput
+
+# mutation testing of the engine's policies and the sampling reference (not part of `make test`)
+mutation: $(STAMP)
+	scripts/mutation.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
