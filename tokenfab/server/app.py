@@ -2,10 +2,13 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize,
 /detokenize. Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``;
-bad input is a 400 (FastAPI's 422 for validation errors and malformed JSON included).
+bad input is a 400 (FastAPI's 422 for validation errors and malformed JSON included), a body over
+``--max-request-bytes`` a 413, a full queue a 429, a dead engine a 503. The OpenAPI document
+(``/openapi.json``) lists every status a route answers, with its body schema.
 
 The endpoints live in ``completions.py`` and ``chat.py``, shared state and checks in
-``serving.py``, errors in ``errors.py``, the API-key middleware in ``auth.py``.
+``serving.py``, errors in ``errors.py``, the API-key middleware in ``auth.py``, the body limit in
+``limits.py``, request and response models in ``protocol.py`` and ``responses.py``.
 """
 
 from __future__ import annotations
@@ -16,14 +19,26 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tokenfab.engine.async_engine import AsyncEngine
 from tokenfab.server.auth import AuthMiddleware
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, error_response, install_exception_handlers
+from tokenfab.server.limits import BodySizeLimitMiddleware
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenfab.server.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    error_responses,
+    sse_or_json,
+)
 from tokenfab.server.serving import OpenAIServer, ServerConfig
 
 __all__ = ["APIError", "OpenAIServer", "ServerConfig", "build_app", "error_body", "error_response"]
@@ -41,48 +56,78 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         # uvicorn has already waited for in-flight HTTP requests (graceful shutdown); drain what
         # remains in the engine, then stop its thread.
         await asyncio.to_thread(engine.shutdown, config.drain_timeout)
+        server.close()
 
     app = FastAPI(title="tokenfab", version="0.1.0", lifespan=lifespan)
     app.state.server = server
     install_exception_handlers(app, server.metrics.error)
+    auth = (401,) if config.api_key else ()
+    body_errors = error_responses(400, *auth, 413, 503)
+    generation_errors = error_responses(400, *auth, 413, 429, 500, 503)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses={**sse_or_json(CompletionResponse, "The completion"), **generation_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(server, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**sse_or_json(ChatCompletionResponse, "The chat completion"), **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(*auth))
     async def models() -> dict[str, Any]:
         return server.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(*auth, 404))
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != server.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model",
                            code="model_not_found")
         return server.model_card().model_dump()
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Response:
+        if engine.is_dead:
+            return error_response(503, f"The engine is dead: {engine.error}", code="engine_dead")
         if not engine.is_running:
-            return error_response(503, f"engine is not running: {engine.error!r}")
+            return error_response(503, "The engine is not running", code="service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=body_errors)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await server.tokenize_endpoint(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=body_errors)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await server.detokenize_endpoint(body)
 
-    if config.api_key:
+    _document_no_422(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes, on_reject=server.metrics.error)
+    if config.api_key:  # outermost: no body is read for a request without the key
         app.add_middleware(AuthMiddleware, api_key=config.api_key, on_reject=server.metrics.error)
     return app
+
+
+def _document_no_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every route with a body; this server answers 400 instead."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

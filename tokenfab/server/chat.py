@@ -11,10 +11,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
-from tokenfab.server.errors import APIError, error_body
-from tokenfab.server.logprobs import chat_logprobs
+from tokenfab.server.errors import APIError
+from tokenfab.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage, random_id
-from tokenfab.server.streaming import ClientGone, EngineStreamingResponse, collect, finish, sse, usage, watch
+from tokenfab.server.streaming import (
+    ClientGone,
+    EngineStreamingResponse,
+    collect,
+    finish,
+    sse,
+    stream_error,
+    usage,
+    watch,
+)
 
 if TYPE_CHECKING:
     from tokenfab.server.serving import OpenAIServer
@@ -23,8 +32,10 @@ logger = logging.getLogger("tokenfab.server")
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text of ``messages`` under the model's chat template."""
+                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None) -> str:
+    """The prompt text of ``messages`` under the model's chat template (or ``chat_template``, which
+    the caller has checked is trusted). Runs in the server's tokenizer pool, off the event loop."""
     conv = []
     for i, m in enumerate(messages):
         content = m.content
@@ -43,10 +54,13 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         conv.append(msg)
     if continue_final_message:
         add_generation_prompt = False
+    extra = dict(kwargs or {})
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         return tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(kwargs or {}),
+            continue_final_message=continue_final_message, **extra,
         )
     except Exception as e:  # jinja errors: role order, bad kwargs
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
@@ -55,18 +69,23 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
 async def create_chat_completion(server: OpenAIServer, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     server.check_model(body.model)
-    text = render_chat(server.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                       body.chat_template_kwargs)
-    ids = server.tokenize(text, add_special_tokens=False)
-    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
+    if body.chat_template is not None and not server.config.trust_request_chat_template:
+        raise APIError(400, "chat_template from the request is refused: this server uses the model's own "
+                       "template (start it with --trust-request-chat-template to allow one)", param="chat_template")
+    server.check_priority(body.priority)
     if body.top_logprobs is not None and not body.logprobs and body.top_logprobs > 0:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    text = await server.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                    body.chat_template_kwargs, body.chat_template)
+    ids = await server.tokenize(text, add_special_tokens=False, param="messages")
+    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
     constraint = await server.build_constraint(body.response_format)
-    params = server.sampling_params(body, max_tokens, k, constraint)
+    params = server.sampling_params(body, max_tokens, k, constraint, body.prompt_logprobs)
+    server.check_request([ids], params, "messages")
     request_id = random_id("chatcmpl")
-    stream = await server.submit([ids], params, body.priority, arrival, request_id)
+    stream = await server.submit([ids], params, body.priority, arrival, request_id, body.cache_salt)
     created = int(time.time())
     if body.stream:
         gen = _chat_stream(server, body, request, stream, request_id, created, len(ids), k)
@@ -74,11 +93,14 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     finals = await collect(stream, request)
     choices = []
     completion_tokens = 0
+    prompt_lps = None
     for index in range(stream.num_choices):
         chunks = finals[index]
         last = chunks[-1]
         token_ids = last.token_ids or []
         completion_tokens += len(token_ids)
+        if prompt_lps is None:
+            prompt_lps = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
         logprobs = None
         if k is not None:
             lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
@@ -87,11 +109,14 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
         choices.append({"index": index, "message": {"role": "assistant", "content": last.text or ""},
                         "logprobs": logprobs, "finish_reason": finish(last.finish_reason),
                         "stop_reason": last.stop_reason})
-    return JSONResponse({
+    response = {
         "id": request_id, "object": "chat.completion", "created": created, "model": server.model_name,
         "choices": choices, "usage": usage(len(ids), completion_tokens, finals),
         "system_fingerprint": None,
-    })
+    }
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+    return JSONResponse(response)
 
 
 async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
@@ -101,6 +126,7 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
             "model": server.model_name}
     completion_tokens = 0
     finals: dict[int, list[StreamChunk]] = {}
+    sent_prompt_logprobs = False
 
     def payload(choice: dict[str, Any]) -> str:
         p = dict(base)
@@ -122,6 +148,12 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
                                                      chunk.delta_logprobs or [], k)}
             if chunk.finished:
                 finals[chunk.index] = [chunk]
+            if body.prompt_logprobs is not None and chunk.prompt_logprobs is not None and not sent_prompt_logprobs:
+                sent_prompt_logprobs = True  # once, at the top level (vLLM's place for it)
+                p = dict(base)
+                p["choices"] = []
+                p["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
+                yield sse(p)
             if not (chunk.delta_text or chunk.finished or logprobs):
                 continue
             delta = {"content": chunk.delta_text} if chunk.delta_text else {}
@@ -134,9 +166,8 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
             yield sse(p)
     except ClientGone:
         return
-    except Exception as e:
-        logger.exception("stream %s failed", request_id)
-        yield sse(error_body(500, f"generation failed: {e}"))
+    except Exception as e:  # engine failure mid-stream: report it in-band, to this client only
+        yield sse(stream_error(e, request_id))
     finally:
         watcher.cancel()
         stream.abort()

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENFAB_API_KEY)")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="answer 429 once this many requests wait for a slot (default 1024)")
+    g.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="answer 413 to a request body larger than this (default 8 MiB)")
+    g.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="answer 400 to a completion request with more prompts than this (default 256)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests pass their own chat_template (default: refused with a 400)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish (default 30)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -53,9 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_waiting is not None and args.max_waiting < 1:
-        print("tokenfab serve: --max-waiting must be at least 1", file=sys.stderr)
-        return 2
+    for flag in ("max_waiting", "max_request_bytes", "max_prompts_per_request"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"tokenfab serve: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     try:
         engine = LLMEngine(EngineArgs.from_cli_args(args))
@@ -65,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     config = ServerConfig(api_key=args.api_key or None, max_waiting=args.max_waiting,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
+                          max_prompts_per_request=args.max_prompts_per_request,
+                          trust_request_chat_template=args.trust_request_chat_template)
     app = build_app(async_engine, config)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

@@ -11,10 +11,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
-from tokenfab.server.errors import APIError, error_body
-from tokenfab.server.logprobs import completion_logprobs
+from tokenfab.server.errors import APIError
+from tokenfab.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import CompletionRequest, random_id
-from tokenfab.server.streaming import ClientGone, EngineStreamingResponse, collect, finish, sse, usage, watch
+from tokenfab.server.streaming import (
+    ClientGone,
+    EngineStreamingResponse,
+    collect,
+    finish,
+    sse,
+    stream_error,
+    usage,
+    watch,
+)
 
 if TYPE_CHECKING:
     from tokenfab.server.serving import OpenAIServer
@@ -29,6 +38,10 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of is not supported (use n)", param="best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 (score the prompt, generate nothing) needs echo: true",
+                       param="max_tokens")
+    server.check_priority(body.priority)
     raw = body.prompt
     if isinstance(raw, str):
         raw_prompts: list[Any] = [raw]
@@ -38,27 +51,33 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
         raw_prompts = list(raw)
     if not raw_prompts:
         raise APIError(400, "The prompt is empty", param="prompt")
-    prompt_ids: list[list[int]] = []
-    prompt_texts: list[str] = []
+    if len(raw_prompts) > server.config.max_prompts_per_request:
+        raise APIError(400, f"{len(raw_prompts)} prompts in one request; this server takes at most "
+                       f"{server.config.max_prompts_per_request} (--max-prompts-per-request)", param="prompt")
+    texts = [p for p in raw_prompts if isinstance(p, str)]
+    encoded = iter(await server.tokenize_all(texts) if texts else [])
+    prompt_ids: list[list[int]] = [next(encoded) if isinstance(p, str) else list(p) for p in raw_prompts]
     vocab = server.vocab_size
-    for p in raw_prompts:
-        if isinstance(p, str):
-            prompt_ids.append(server.tokenize(p))
-            prompt_texts.append(p)
-        else:
-            ids = [int(t) for t in p]
-            if vocab and any(t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            prompt_ids.append(ids)
-            prompt_texts.append(server.tokenizer.decode(ids) if body.echo else "")
+    for ids in prompt_ids:
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    prompt_texts = [p if isinstance(p, str) else "" for p in raw_prompts]
+    if body.echo and len(texts) < len(raw_prompts):
+        decoded = iter(await server.detokenize_all([p for p in raw_prompts if not isinstance(p, str)]))
+        prompt_texts = [p if isinstance(p, str) else next(decoded) for p in raw_prompts]
     explicit = body.max_tokens is not None
     max_tokens_list = [server.check_length(len(ids), body.max_tokens if explicit else 16, explicit, "prompt")
                        for ids in prompt_ids]
     max_tokens = min((m for m in max_tokens_list if m is not None), default=None)
+    # echo + logprobs scores the prompt too (OpenAI's legacy use, lm-eval's loglikelihood)
+    echo_k = body.logprobs if body.echo else None
+    wanted = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
+    prompt_k = max(wanted) if wanted else None
     constraint = await server.build_constraint(body.response_format)
-    params = server.sampling_params(body, max_tokens, body.logprobs, constraint)
+    params = server.sampling_params(body, max_tokens, body.logprobs, constraint, prompt_k)
+    server.check_request(prompt_ids, params, "prompt")
     request_id = random_id("cmpl")
-    stream = await server.submit(prompt_ids, params, body.priority, arrival, request_id)
+    stream = await server.submit(prompt_ids, params, body.priority, arrival, request_id, body.cache_salt)
     created = int(time.time())
     if body.stream:
         gen = _completion_stream(server, body, request, stream, request_id, created, prompt_ids, prompt_texts)
@@ -73,17 +92,21 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
         text = last.text or ""
         token_ids = last.token_ids or []
         completion_tokens += len(token_ids)
+        prompt_lps = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
         logprobs = None
         if body.logprobs is not None:
             lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
             gen_ids = [t for c in chunks for t in c.delta_token_ids]
             logprobs = completion_logprobs(server.tokenizer, gen_ids, lps, body.logprobs,
-                                           prompt_ids[p_idx] if body.echo else None,
+                                           prompt_ids[p_idx] if body.echo else None, prompt_lps,
                                            len(prompt_texts[p_idx]) if body.echo else 0)
         if body.echo:
             text = prompt_texts[p_idx] + text
-        choices.append({"index": index, "text": text, "logprobs": logprobs,
-                        "finish_reason": finish(last.finish_reason), "stop_reason": last.stop_reason})
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish(last.finish_reason), "stop_reason": last.stop_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+        choices.append(choice)
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": created, "model": server.model_name,
@@ -105,27 +128,32 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, requ
     try:
         async for chunk in stream:
             i = chunk.index
+            p_idx = chunk.prompt_index
             text = chunk.delta_text
             logprobs = None
-            if body.echo and not started[i]:
-                started[i] = True
-                text = prompt_texts[chunk.prompt_index] + text
-            if body.logprobs is not None and chunk.delta_token_ids:
-                echo = prompt_ids[chunk.prompt_index] if (body.echo and offsets[i] == 0) else None
+            first = not started[i]
+            started[i] = True
+            if body.echo and first:
+                text = prompt_texts[p_idx] + text
+            if body.logprobs is not None and (chunk.delta_token_ids or (body.echo and first)):
+                echo = prompt_ids[p_idx] if (body.echo and first) else None
                 logprobs = completion_logprobs(
                     server.tokenizer, chunk.delta_token_ids, chunk.delta_logprobs or [], body.logprobs, echo,
-                    offsets[i] or (len(prompt_texts[chunk.prompt_index]) if body.echo else 0))
+                    chunk.prompt_logprobs, offsets[i] or (len(prompt_texts[p_idx]) if body.echo else 0))
                 if logprobs["text_offset"]:
                     offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             completion_tokens += len(chunk.delta_token_ids)
             if chunk.finished:
                 finals[i] = [chunk]
-            if not (text or chunk.finished or logprobs):
+            send_plp = body.prompt_logprobs is not None and chunk.prompt_logprobs is not None
+            if not (text or chunk.finished or logprobs or send_plp):
                 continue
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish(chunk.finish_reason),
+                      "stop_reason": chunk.stop_reason}
+            if send_plp:
+                choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             payload = dict(base)
-            payload["choices"] = [{"index": i, "text": text, "logprobs": logprobs,
-                                   "finish_reason": finish(chunk.finish_reason),
-                                   "stop_reason": chunk.stop_reason}]
+            payload["choices"] = [choice]
             if include_usage:
                 payload["usage"] = None
             yield sse(payload)
@@ -137,9 +165,8 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, requ
             yield sse(payload)
     except ClientGone:
         return
-    except Exception as e:  # engine failure mid-stream: report it in-band
-        logger.exception("stream %s failed", request_id)
-        yield sse(error_body(500, f"generation failed: {e}"))
+    except Exception as e:  # engine failure mid-stream: report it in-band, to this client only
+        yield sse(stream_error(e, request_id))
     finally:
         watcher.cancel()
         stream.abort()

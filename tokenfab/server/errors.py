@@ -41,8 +41,14 @@ class APIError(Exception):
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
 
 
+def _safe(text: str | None) -> str | None:
+    # a message or param may quote the client's input, which can hold lone surrogates: escape them
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if text is not None else None
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type: str | None = None) -> dict[str, Any]:
+    message, param = _safe(message) or "", _safe(param)
     return {"error": {"message": message, "type": type or _ERROR_TYPES.get(status, "server_error"),
                       "param": param, "code": code}}
 
@@ -76,7 +82,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     parts = []
     for where, errs in list(groups.items())[:5]:
         e = errs[0]
-        msg = "field required" if e.get("type") == "missing" else str(e.get("msg", "invalid value"))
+        if e.get("type") == "missing":
+            msg = "field required"
+        elif e.get("type") == "extra_forbidden":
+            msg = "this field is not supported by this server"
+        else:
+            msg = str(e.get("msg", "invalid value"))
         if len(errs) > 1:  # a union field: none of the alternatives matched
             msg = f"invalid type or value: {msg[:1].lower() + msg[1:]} (or {len(errs) - 1} other forms)"
         parts.append(f"{where}: {msg}" if where else msg)
@@ -84,8 +95,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     return "; ".join(parts), param, None
 
 
-_PARAMS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logprobs", "n", "seed", "stop")
+_PARAMS = ("prompt_logprobs", "stop_token_ids", "logit_bias", "cache_salt", "priority", "max_tokens", "min_tokens",
+           "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "logprobs", "n", "seed", "stop")
 
 
 def param_of(message: str) -> str | None:

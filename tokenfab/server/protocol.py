@@ -1,34 +1,79 @@
-"""Pydantic models of the OpenAI API subset we serve (requests validated, responses built)."""
+"""Pydantic models of the OpenAI API subset we serve (requests; responses are in ``responses.py``).
+
+Every request model forbids unknown fields: a field we do not implement is a 400 that names it,
+never silently ignored. Types are strict (``"5"`` is not an integer), floats finite, every integer
+bounded to what the engine can hold, so the OpenAPI document is exactly what the server accepts.
+"""
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string
+MAX_TOKEN_LIST = 1024  # stop_token_ids and logit_bias entries
+MAX_LOGPROBS = 20
+# keys a client may pass to the chat template (vLLM's --trust-request-chat-template lifts nothing here:
+# the template is fixed unless trusted, its arguments are always this allow-list)
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _no_surrogates(value: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode: a lone surrogate at index {e.start}") from None
+    return value
+
+
+def check_text(value: Any) -> None:
+    """Raise ValueError if any string inside ``value`` (nested lists/dicts too) is not valid Unicode."""
+    if isinstance(value, str):
+        _no_surrogates(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k)
+            check_text(v)
+    elif isinstance(value, list):
+        for v in value:
+            check_text(v)
+
+
+Text = Annotated[str, AfterValidator(_no_surrogates)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored (clients send many optional ones), like most OpenAI-compatible servers.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
-    name: str = "response"
-    description: str | None = None
+    name: Text = "response"
+    description: Text | None = None
     # "schema" shadows a BaseModel attribute name in pydantic; keep it under an alias.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _check_schema_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        check_text(v)
+        return v
 
 
 class ResponseFormat(_Request):
@@ -37,92 +82,100 @@ class ResponseFormat(_Request):
 
 
 class _SamplingFields(_Request):
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(default=1, ge=1, le=128)
-    max_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    stop: StopString | list[StopString] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_TOKEN_LIST,
+        description="token id (a decimal string) -> bias in [-100, 100] added to its logit")
+    user: Text | None = Field(default=None, max_length=256,
+                              description="an end-user id (accepted for compatibility; not used)")
     response_format: ResponseFormat | None = None
     # Extra sampling fields (vLLM names)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX,
+                          description="lower runs first; only with --scheduling-policy priority (else must be 0)")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM extra: logprobs of the prompt tokens, with k alternatives")
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256,
+                                    description="requests with different salts never share prefix-cache blocks")
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences are allowed")
-            if any(s == "" for s in v):
-                raise ValueError("stop sequences must not be empty")
-        elif v == "":
-            return None
-        return v
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    # 0 is OpenAI's legacy "score the prompt": only with echo (the prompt is returned, nothing generated)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: Text | None = Field(default=None, description="not supported: must be empty")
+    best_of: int | None = Field(default=None, ge=1, le=128, description="must equal n (no server-side ranking)")
 
 
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_parts_text(cls, v: Any) -> Any:
+        check_text(v)
+        return v
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = Field(default=None,
+                                       description="refused unless the server runs with --trust-request-chat-template")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description=f"extra template variables; allowed keys: {', '.join(sorted(CHAT_TEMPLATE_KWARGS))}")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if key not in CHAT_TEMPLATE_KWARGS:
+                raise ValueError(f"{key!r} is not an allowed chat template argument (allowed: "
+                                 f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))}; add_generation_prompt and "
+                                 "continue_final_message are fields of the request)")
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                raise ValueError(f"chat template argument {key!r} must be a boolean, number or string")
+        check_text(v)
+        return v
 
 
 class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
-
-
-# ---- responses (completions and chunks are built as plain dicts in app.py, for speed) ----
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "tokenfab"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)

@@ -1,22 +1,35 @@
 """``OpenAIServer``: the state the endpoints share (engine, tokenizer, metrics) and the checks and
-conversions every endpoint needs (model name, lengths, sampling parameters, submission)."""
+conversions every endpoint needs (model name, lengths, sampling parameters, submission).
+
+Everything a request can get wrong is found here, before anything is queued: the engine's own
+``check_request`` (vocabulary, lengths, every sampling bound) runs on each prompt first, so a bad
+request is a 400 and the engine never sees it. Tokenization and chat templating run in a small
+thread pool, off the event loop (a megabyte prompt must not stall every other client's stream).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from tokenfab.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from tokenfab.engine.async_engine import AsyncEngine, RequestStream
+from tokenfab.engine.errors import EngineDeadError, QueueFullError
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.server.chat import render_chat
 from tokenfab.server.errors import APIError, param_of
+from tokenfab.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from tokenfab.server.metrics import ServerMetrics
-from tokenfab.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenfab.server.responses import ModelCard, ModelList
 
 logger = logging.getLogger("tokenfab.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,6 +37,9 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int | None = None
     drain_timeout: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_prompts_per_request: int = 256
+    trust_request_chat_template: bool = False
 
 
 class OpenAIServer:
@@ -35,26 +51,72 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self.vocab_size = int(getattr(engine.engine, "vocab_size", 0) or 0)
+        self.vocab_size = engine.vocab_size
         self.metrics = ServerMetrics(self.model_name, stats=engine.stats, waiting=engine.num_waiting)
         engine.on_first_token = self.metrics.on_first_token
         engine.on_finished = self.metrics.on_finished
         self._structured: Any = None
         self._structured_lock = asyncio.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenfab-tok")
         self.created = int(time.time())
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- off the event loop ----
+    async def offload(self, fn: Callable[..., T], *args: Any, param: str | None = None) -> T:
+        """Run tokenizer work in the pool; a tokenizer that rejects the text is a 400 on ``param``."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except APIError:
+            raise
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise APIError(400, f"{param or 'input'}: cannot tokenize this text: {e}", param=param) from e
+
+    def _encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    async def tokenize(self, prompt: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        return await self.offload(self._encode, prompt, add_special_tokens, param=param)
+
+    async def tokenize_all(self, prompts: list[str], param: str = "prompt") -> list[list[int]]:
+        return await self.offload(lambda: [self._encode(p) for p in prompts], param=param)
+
+    async def detokenize_all(self, prompts: list[list[int]]) -> list[str]:
+        return await self.offload(lambda: [self.tokenizer.decode(p) for p in prompts], param="prompt")
+
+    async def render_chat(self, messages: Any, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                          chat_template: str | None = None) -> str:
+        return await self.offload(render_chat, self.tokenizer, messages, add_generation_prompt,
+                                  continue_final_message, kwargs, chat_template, param="messages")
+
     # ---- validation and request building ----
+    def check_alive(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, f"The engine is dead and cannot serve requests: {self.engine.error}",
+                           code="engine_dead")
+
     def check_model(self, model: str | None) -> None:
+        self.check_alive()
         if model is not None and model != self.model_name:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.engine.scheduling_policy != "priority":
+            raise APIError(400, "priority is only honoured when the server runs with --scheduling-policy "
+                           f"priority (this one: {self.engine.scheduling_policy}); send 0 or leave it out",
+                           param="priority")
 
     def check_length(self, num_prompt: int, max_tokens: int | None, explicit: bool, param: str) -> int | None:
         if num_prompt == 0:
             raise APIError(400, "The prompt is empty", param=param)
+        if max_tokens == 0:  # score the prompt only: it may fill the whole context
+            if num_prompt > self.max_model_len:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but "
+                               f"the prompt has {num_prompt} tokens", param=param, code="context_length_exceeded")
+            return 0
         if num_prompt >= self.max_model_len:
             raise APIError(
                 400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
@@ -84,9 +146,9 @@ class OpenAIServer:
                            param="response_format.json_schema")
         async with self._structured_lock:
             if self._structured is None:
-                vocab = self.vocab_size or None
                 try:
-                    self._structured = await asyncio.to_thread(StructuredOutputCompiler, self.tokenizer, vocab)
+                    self._structured = await asyncio.to_thread(StructuredOutputCompiler, self.tokenizer,
+                                                               self.vocab_size)
                 except Exception as e:
                     logger.exception("cannot set up structured output")
                     raise APIError(400, f"response_format is not available with this model's tokenizer: {e}",
@@ -98,7 +160,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param="response_format") from e
 
     def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
-                        constraint: Any) -> SamplingParams:
+                        constraint: Any, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=body.n,
@@ -116,6 +178,8 @@ class OpenAIServer:
                 stop_token_ids=body.stop_token_ids,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=body.logit_bias_ids(),
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 constraint=constraint,
@@ -123,16 +187,25 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param=param_of(str(e))) from e
 
+    def check_request(self, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
+        """The engine's own checks against the loaded model, before anything is queued."""
+        for ids in prompts:
+            try:
+                self.engine.check_request(ids, params)
+            except ValueError as e:
+                raise APIError(400, str(e), param=param_of(str(e)) or param) from e
+
     async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,
-                     arrival: float, request_id: str) -> RequestStream:
+                     arrival: float, request_id: str, cache_salt: str | None = None) -> RequestStream:
         try:
-            stream = self.engine.add_requests(request_id, prompts, params, priority, arrival_time=arrival)
+            stream = self.engine.add_requests(request_id, prompts, params, priority, arrival_time=arrival,
+                                              cache_salt=cache_salt)
         except QueueFullError as e:
             raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error") from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="service_unavailable") from e
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=param_of(str(e))) from e
         try:
             await stream.wait_accepted()
         except ValueError as e:
@@ -148,20 +221,20 @@ class OpenAIServer:
     async def tokenize_endpoint(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if body.messages is not None:
-            text = render_chat(self.tokenizer, body.messages, body.add_generation_prompt)
-            ids = self.tokenize(text, add_special_tokens=False)
+            text = await self.render_chat(body.messages, body.add_generation_prompt)
+            ids = await self.tokenize(text, add_special_tokens=False, param="messages")
         elif body.prompt is not None:
-            ids = self.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "either 'prompt' or 'messages' is required", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize_endpoint(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
-        vocab = self.vocab_size or len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in body.tokens):
+        vocab = self.vocab_size
+        if any(t >= vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.offload(self.tokenizer.decode, body.tokens, param="tokens")}
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)

@@ -13,8 +13,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenfab.engine.async_engine import EngineDeadError, RequestStream, StreamChunk
-from tokenfab.server.errors import APIError
+from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.engine.errors import EngineDeadError, RequestFailedError
+from tokenfab.server.errors import APIError, error_body
 
 logger = logging.getLogger("tokenfab.server")
 
@@ -90,9 +91,21 @@ async def collect(stream: RequestStream, request: Request) -> dict[int, list[Str
         raise APIError(499, "client disconnected") from e
     except EngineDeadError as e:
         raise APIError(503, str(e), code="service_unavailable") from e
+    except RequestFailedError as e:  # this request failed inside a step; the others go on
+        raise APIError(500, f"the request failed in the engine: {e}", code="request_failed") from e
     except ValueError as e:
         raise APIError(400, str(e)) from e
     finally:
         watcher.cancel()
         stream.abort()
     return by_index
+
+
+def stream_error(error: BaseException, request_id: str) -> dict[str, Any]:
+    """The in-band error event of a stream that failed after its 200 was sent."""
+    if isinstance(error, EngineDeadError):
+        return error_body(503, str(error), code="service_unavailable")
+    if isinstance(error, RequestFailedError):
+        return error_body(500, f"the request failed in the engine: {error}", code="request_failed")
+    logger.error("stream %s failed", request_id, exc_info=error)
+    return error_body(500, f"generation failed: {error}")
