@@ -6,8 +6,10 @@ report GB/s (the fewest bytes the op must move: each input read once, each outpu
 once) and the fraction of the device's copy bandwidth, measured in the same run (a
 device-to-device copy, bytes read + written) and of the datasheet peak; attention prefill
 reports TFLOP/s against a bf16 matrix product measured in the same run. Each row also times the
-torch equivalent on the same inputs (SDPA over dense K/V for attention, the eager reference
-elsewhere) and gives the speedup. On CPU the kernels run in Triton's interpreter: only the tiny
+best plain-PyTorch versions of the op on the same inputs (F.rms_norm, F.silu * up, index_copy_,
+SDPA over dense K/V for attention, and torch.compile of the reference; ``--compile-peers``), takes
+the fastest as the peer, and gives the speedup and the peer's own fraction of the roofline. On
+CPU the kernels run in Triton's interpreter: only the tiny
 sizes run (``--size tiny``) and the timings say nothing about speed.
 """
 
@@ -46,6 +48,7 @@ class Row:
     max_abs_err: float | None
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    peer_fraction_of_ceiling: float | None = None  # the fastest peer's value / the same ceiling
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also time launch-configuration variants of the attention kernels (CUDA)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="skip the remaining sweep variants once this many seconds have passed")
+                        help="skip the remaining sweep variants and torch.compile peers once this many seconds "
+                             "have passed")
+    parser.add_argument("--compile-peers", choices=("auto", "on", "off"), default="auto",
+                        help="also time torch.compile of each op's reference as a peer (auto: on CUDA only; on "
+                             "CPU the kernels run interpreted and inductor compiles take minutes on 2 cores)")
 
 
 # --------------------------------------------------------------------------- timing
@@ -97,7 +104,11 @@ def _sizes(tiny: bool) -> dict:
                 pre_len=2048, vocab=151936, sample_rows=256)
 
 
-def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
+def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool, compile_peers: bool = False,
+               deadline: float | None = None):
+    """Each op's workload: (op, shape, bytes or FLOPs, our kernel, [(peer name, peer)], max error).
+    The peers are the best plain-PyTorch versions of the op (a fused torch function where one exists,
+    SDPA, the reference under torch.compile); the fastest of them is the row's peer."""
     import torch
     import torch.nn.functional as F
 
@@ -110,10 +121,26 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
     def rnd(*shape, dt=dtype, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dt).to(dev)
 
-    def timed(fn, peer):
+    def compiled(name, ref, *args):
+        if not compile_peers:
+            return []
+        cfn = torch.compile(ref, dynamic=False)
+        return [(f"torch.compile({name})", lambda: cfn(*args))]
+
+    def timed(fn, peers):
+        """Our time and each peer's (ms), or why a peer has none."""
         t = bench(fn, rep_ms)
-        tp = bench(peer, rep_ms) if (peer is not None and want_peer) else None
-        return t, tp
+        times: dict[str, float | str] = {}
+        for name, peer in peers if want_peer else []:
+            if name.startswith("torch.compile") and deadline is not None and time.perf_counter() > deadline:
+                times[name] = "skipped: time budget spent"
+                continue
+            try:
+                peer()  # compiles a torch.compile peer outside the timing
+                times[name] = bench(peer, rep_ms)
+            except Exception as exc:  # a peer that fails to compile must not hide the row
+                times[name] = f"{type(exc).__name__}: {exc}"[:200]
+        return t, times
 
     def err(a, b):
         return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
@@ -124,16 +151,18 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
     def w_rms():
         x, w = rnd(t_, h), rnd(h)
         fn = lambda: norm._rms_norm_triton(x, w, 1e-6)
-        peer = lambda: norm.rms_norm_ref(x, w, 1e-6)
-        return "rms_norm", f"[{t_}, {h}]", 2 * t_ * h * el, fn, peer, err(fn(), peer()), "eager reference"
+        peers = [("F.rms_norm", lambda: F.rms_norm(x, (h,), w, 1e-6)),
+                 *compiled("reference", norm.rms_norm_ref, x, w, 1e-6)]
+        return "rms_norm", f"[{t_}, {h}]", 2 * t_ * h * el, fn, peers, err(fn(), norm.rms_norm_ref(x, w, 1e-6))
 
     def w_add_rms():
         x, r, w = rnd(t_, h), rnd(t_, h), rnd(h)
         r2 = r.clone()
         e = err(norm._add_rms_norm_triton(x, r, w, 1e-6), norm.add_rms_norm_ref(x, r2, w, 1e-6))
         fn = lambda: norm._add_rms_norm_triton(x, r, w, 1e-6)
-        peer = lambda: norm.add_rms_norm_ref(x, r2, w, 1e-6)
-        return "add_rms_norm", f"[{t_}, {h}]", 4 * t_ * h * el, fn, peer, e, "eager reference"
+        peers = [("add_ + F.rms_norm", lambda: F.rms_norm(r2.add_(x), (h,), w, 1e-6)),
+                 *compiled("reference", norm.add_rms_norm_ref, x, r2, w, 1e-6)]
+        return "add_rms_norm", f"[{t_}, {h}]", 4 * t_ * h * el, fn, peers, e
 
     def w_rope():
         hq, hk, d = s["hq"], s["hkv"], s["d"]
@@ -141,23 +170,29 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
         pos = torch.randint(0, 8192, (t_,), generator=g).to(dev)
         cs = rnd(8192, d, dt=torch.float32)
         fn = lambda: rope._rotary_embedding_triton(pos, q, k, cs, True)
-        peer = lambda: rope.rotary_embedding_ref(pos, q, k, cs, True)
-        a, b = fn(), peer()
+        peers = [("reference (eager)", lambda: rope.rotary_embedding_ref(pos, q, k, cs, True)),
+                 *compiled("reference", rope.rotary_embedding_ref, pos, q, k, cs, True)]
+        a, b = fn(), rope.rotary_embedding_ref(pos, q, k, cs, True)
         nbytes = 2 * t_ * (hq + hk) * d * el + t_ * d * 4 + t_ * 8
-        return "rotary_embedding", f"T={t_} {hq}/{hk}x{d} neox", nbytes, fn, peer, max(err(a[0], b[0]),
-                                                                                      err(a[1], b[1])), "eager"
+        return "rotary_embedding", f"T={t_} {hq}/{hk}x{d} neox", nbytes, fn, peers, max(err(a[0], b[0]),
+                                                                                       err(a[1], b[1]))
 
     def w_act(kind):
         def make():
             x = rnd(t_, 2 * inter)
+            gate, up = x[:, :inter], x[:, inter:]
             if kind == "silu":
                 fn = lambda: activation._silu_and_mul_triton(x)
-                peer = lambda: activation.silu_and_mul_ref(x)
+                ref = activation.silu_and_mul_ref
+                peers = [("F.silu(gate) * up", lambda: F.silu(gate) * up), *compiled("reference", ref, x)]
+                e = err(fn(), ref(x))
             else:
                 fn = lambda: activation._gelu_and_mul_triton(x, "tanh")
-                peer = lambda: activation.gelu_and_mul_ref(x, "tanh")
-            return (f"{kind}_and_mul", f"[{t_}, 2x{inter}]", 3 * t_ * inter * el, fn, peer, err(fn(), peer()),
-                    "eager reference")
+                ref = activation.gelu_and_mul_ref
+                peers = [("F.gelu(gate, 'tanh') * up", lambda: F.gelu(gate, approximate="tanh") * up),
+                         *compiled("reference", ref, x, "tanh")]
+                e = err(fn(), ref(x, "tanh"))
+            return f"{kind}_and_mul", f"[{t_}, 2x{inter}]", 3 * t_ * inter * el, fn, peers, e
         return make
 
     def w_store():
@@ -172,8 +207,13 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
         kv_cache.store_kv_ref(k, v, kc2, vc2, slots)
         e = max(err(kc, kc2), err(vc, vc2))
         fn = lambda: kv_cache._store_kv_triton(k, v, kc, vc, slots)
-        peer = lambda: kv_cache.store_kv_ref(k, v, kc2, vc2, slots)
-        return "store_kv", f"T={t_} {hk}x{d} bs={bs}", 4 * t_ * hk * d * el + 8 * t_, fn, peer, e, "eager"
+
+        def index_copy():
+            kc2.view(-1, hk, d).index_copy_(0, slots, k)
+            vc2.view(-1, hk, d).index_copy_(0, slots, v)
+
+        peers = [("index_copy_", index_copy), *compiled("reference", kv_cache.store_kv_ref, k, v, kc2, vc2, slots)]
+        return "store_kv", f"T={t_} {hk}x{d} bs={bs}", 4 * t_ * hk * d * el + 8 * t_, fn, peers, e
 
     def paged(b, ctx, bs=16):
         hk, d = s["hkv"], s["d"]
@@ -194,12 +234,12 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
         scale = d**-0.5
         fn = lambda: attention._paged_decode_attention_triton(q, kc, vc, bt, lens, ctx, scale)
         peer = lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale, enable_gqa=True)
+        peers = [("torch SDPA, dense K/V (no page gather)", peer)]
         e = err(fn(), peer()[:, :, 0])
         variants["decode_attention"] = lambda cfg: (
             lambda: attention._paged_decode_attention_triton(q, kc, vc, bt, lens, ctx, scale, config=cfg))
         nbytes = 2 * b * ctx * hk * d * el + 2 * b * hq * d * el + b * ((ctx + 15) // 16) * 4
-        return ("paged_decode_attention", f"B={b} ctx={ctx} {hq}/{hk}x{d} bs=16", nbytes, fn, peer, e,
-                "torch SDPA, dense K/V")
+        return "paged_decode_attention", f"B={b} ctx={ctx} {hq}/{hk}x{d} bs=16", nbytes, fn, peers, e
 
     def w_prefill():
         n, L, hq, hk, d = s["pre_seqs"], s["pre_len"], s["hq"], s["hkv"], s["d"]
@@ -212,10 +252,10 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
             lambda: attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, L, L, scale, config=cfg))
         qd = q.view(n, L, hq, d).transpose(1, 2)
         peer = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
+        peers = [("torch SDPA causal, dense K/V (no page gather)", peer)]
         e = err(fn(), peer().transpose(1, 2).reshape(n * L, hq, d))
         flops = 4.0 * n * hq * d * L * (L + 1) / 2  # causal: QK^T and PV over the lower triangle
-        return ("prefill_attention", f"{n}x{L} tokens {hq}/{hk}x{d} causal", flops, fn, peer, e,
-                "torch SDPA causal, dense K/V")
+        return "prefill_attention", f"{n}x{L} tokens {hq}/{hk}x{d} causal", flops, fn, peers, e
 
     def w_sample():
         b, v = s["sample_rows"], s["vocab"]
@@ -227,9 +267,10 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
         seeds = torch.arange(b, device=dev)
         fn = lambda: sampling._sample_triton(logits, t, k, p, m, seeds)
         peer = lambda: sampling.sample_ref(logits, t, k, p, m, seeds)
+        peers = [("reference (eager, full sort)", peer),
+                 *compiled("reference", sampling.sample_ref, logits, t, k, p, m, seeds)]
         agree = float((fn() == peer()).float().mean())
-        return ("sample", f"[{b}, {v}] T=0.8 top_k=50 top_p=0.9", b * v * 4, fn, peer, 1.0 - agree,
-                "eager reference (full sort)")
+        return "sample", f"[{b}, {v}] T=0.8 top_k=50 top_p=0.9", b * v * 4, fn, peers, 1.0 - agree
 
     def w_moe(tokens: int):
         """Fused MoE at a Qwen3-30B-A3B layer shape: 128 experts, top-8, hidden 2048, expert 768."""
@@ -245,9 +286,10 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool):
             weights, ids = moe.topk_softmax_ref(logits, k, True)
             fn = lambda: moe._fused_experts_triton(x, w13, w2, weights, ids)
             peer = lambda: moe.fused_experts_ref(x, w13, w2, weights, ids)
+            # no torch.compile peer: the per-expert loop is data-dependent (a graph per routing)
+            peers = [("torch per-expert loop (reference; not compiled: data-dependent)", peer)]
             flops = 6.0 * n * k * hid * it  # gate+up (2 x H x 2I) and down (2 x I x H) per routed pair
-            return (f"fused_moe T={n}", f"E={e} top-{k} H={hid} I={it}", flops, fn, peer, err(fn(), peer()),
-                    "torch per-expert loop (reference)")
+            return f"fused_moe T={n}", f"E={e} top-{k} H={hid} I={it}", flops, fn, peers, err(fn(), peer())
 
         return make
 
@@ -283,8 +325,18 @@ SWEEPS = {
 def _ceilings(cuda: bool, bench, rep_ms: float) -> dict:
     import torch
 
-    if not cuda:
-        return dict(copy_GBps=None, matmul_TFLOPs=None, note="CPU: no ceilings")
+    if not cuda:  # the same ceilings on the CPU, in float32 (the dtype the CPU rows run in)
+        n = 1 << 24  # 64 MiB each way: past the caches
+        src = torch.empty(n, dtype=torch.float32).uniform_()
+        dst = torch.empty_like(src)
+        t = bench(lambda: dst.copy_(src), rep_ms)
+        m = 1024
+        a, b = torch.randn(m, m), torch.randn(m, m)
+        tm = bench(lambda: a @ b, rep_ms)
+        return dict(copy_GBps=round(2 * n * 4 / (t * 1e-3) / 1e9, 1),
+                    matmul_TFLOPs=round(2 * m**3 / (tm * 1e-3) / 1e12, 3),
+                    note="CPU (float32 matmul): our kernels run in Triton's interpreter, so their fractions "
+                         "mean nothing; the peers' do")
     n = 1 << 30  # 1 GiB each way
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -349,25 +401,35 @@ def markdown(report: dict) -> str:
         f"commit {m.get('commit')}, {m['date']}), dtype {report['dtype']}, sizes {report['size']}.",
         "",
     ]
+    on_cpu = bool(c.get("note"))
     if c.get("copy_GBps"):
-        lines += [f"Measured ceilings: copy {c['copy_GBps']:.0f} GB/s (datasheet peak {H200_PEAK_GBPS:.0f}); "
-                  f"bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+        lines += [f"Roofline, measured in this run: copy {c['copy_GBps']:.1f} GB/s (bytes read + written"
+                  + ("" if on_cpu else f"; datasheet peak {H200_PEAK_GBPS:.0f}") + f"), "
+                  f"{'float32' if on_cpu else 'bf16'} matmul {c['matmul_TFLOPs']:.3g} TFLOP/s. Memory-bound rows: "
+                  "the fewest bytes the op must move / time, over the copy rate; FLOP rows: over the matmul rate. "
+                  "The peer is the fastest plain-PyTorch version tried (all of them in the JSON).", ""]
+        if on_cpu:
+            lines += [f"{c['note']}.", ""]
     lines += [
-        "| op | shape | time (us) | achieved | of ceiling | of H200 peak | peer | peer (us) | speedup | max err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | shape | time (us) | achieved | of roofline | of H200 peak | best plain-PyTorch peer | peer (us) "
+        "| peer of roofline | speedup | max err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"| {r['op']} | | | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['op']} | | | error: {r['error']} | | | | | | | |")
             continue
         peak = H200_PEAK_GBPS if r["metric"] == "GB/s" else H200_BF16_TFLOPS
         frac = f"{100 * r['fraction_of_ceiling']:.0f}%" if r["fraction_of_ceiling"] else "-"
+        pfrac = r.get("peer_fraction_of_ceiling")
+        pfrac = f"{100 * pfrac:.0f}%" if pfrac else "-"
         pt = f"{r['peer_time_us']:.1f}" if r["peer_time_us"] else "-"
         sp = f"{r['speedup_vs_peer']:.2f}x" if r["speedup_vs_peer"] else "-"
         e = f"{r['max_abs_err']:.2g}" if r["max_abs_err"] is not None else "-"
+        hpeak = "-" if on_cpu else f"{100 * r['value'] / peak:.0f}%"
         lines.append(
             f"| {r['op']} | {r['shape']} | {r['time_us']:.1f} | {r['value']:.3g} {r['metric']} | {frac} "
-            f"| {100 * r['value'] / peak:.0f}% | {r['peer']} | {pt} | {sp} | {e} |"
+            f"| {hpeak} | {r['peer']} | {pt} | {pfrac} | {sp} | {e} |"
         )
     if report.get("sweep"):
         lines += ["", "Launch-configuration sweep (overrides of the dispatcher's pick):", "",
@@ -411,12 +473,18 @@ def run(args: argparse.Namespace) -> int:
     ceilings = _ceilings(cuda, bench, rep_ms)
     if cuda:
         torch.cuda.empty_cache()
-    workloads, timed, variants = _workloads(tiny, dev, dtype, rep_ms, bench, not args.no_peer)
+    compile_peers = {"on": True, "off": False}.get(args.compile_peers, cuda)
+    deadline = start + args.budget_s if args.budget_s is not None else None
+    workloads, timed, variants = _workloads(tiny, dev, dtype, rep_ms, bench, not args.no_peer, compile_peers,
+                                            deadline)
     sweep: list[dict] = []
     wanted = list(workloads) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
     results: list[dict] = []
     report = dict(kind="kernels", size=size, dtype=str(dtype).removeprefix("torch."), machine=_machine(cuda),
-                  ceilings=ceilings, results=results, sweep=sweep, compiled=[])
+                  ceilings=ceilings, results=results, sweep=sweep, compiled=[],
+                  peers="the fastest plain-PyTorch version of each op: fused torch functions (F.rms_norm, SDPA, "
+                        "index_copy_) and, " + ("with" if compile_peers else "without (--compile-peers off)")
+                        + " torch.compile of the reference")
 
     def save() -> None:  # after every op, so a run cut short still leaves its results
         if args.json_path:
@@ -427,8 +495,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"unknown op {name!r}; choose from {', '.join(workloads)}", file=sys.stderr)
             return 2
         try:
-            op, shape, amount, fn, peer, e, peer_name = workloads[name]()
-            t_ms, tp_ms = timed(fn, peer)
+            op, shape, amount, fn, peers, e = workloads[name]()
+            t_ms, peer_times = timed(fn, peers)
         except Exception as exc:  # report and go on: one broken kernel must not hide the others
             results.append(dict(op=name, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"{name}: {results[-1]['error']}", file=sys.stderr)
@@ -439,6 +507,10 @@ def run(args: argparse.Namespace) -> int:
         flops = name == "prefill_attention" or name.startswith("fused_moe")
         value = amount / (t_ms * 1e-3) / (1e12 if flops else 1e9)
         ceiling = ceilings.get("matmul_TFLOPs" if flops else "copy_GBps")
+        timed_peers = {k: v for k, v in peer_times.items() if isinstance(v, float)}
+        peer_name = min(timed_peers, key=timed_peers.get) if timed_peers else (peers[0][0] if peers else "-")
+        tp_ms = timed_peers.get(peer_name)
+        peer_value = amount / (tp_ms * 1e-3) / (1e12 if flops else 1e9) if tp_ms else None
         row = Row(
             op=op, shape=shape, dtype=str(dtype).removeprefix("torch."), metric="TFLOP/s" if flops else "GB/s",
             time_us=t_ms * 1e3, value=value, ceiling=ceiling or 0.0,
@@ -446,6 +518,8 @@ def run(args: argparse.Namespace) -> int:
             peer=peer_name, peer_time_us=tp_ms * 1e3 if tp_ms else None,
             speedup_vs_peer=(tp_ms / t_ms) if tp_ms else None, max_abs_err=e,
             notes="sample: max_abs_err is the fraction of rows drawing another token" if name == "sample" else "",
+            extra={"peers_us": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in peer_times.items()}},
+            peer_fraction_of_ceiling=(peer_value / ceiling) if (peer_value and ceiling) else None,
         )
         results.append(asdict(row))
         print(f"{op:24s} {shape:40s} {t_ms * 1e3:10.1f} us  {value:8.3g} {row.metric}"
