@@ -4,7 +4,10 @@ weights cost exactly what real ones do when generation ignores EOS).
 
 Measures, in one run: batch-1 decode tokens/s and the output tokens/s of N requests of
 ``--input-len`` in / ``--output-len`` out, for tokenfab with CUDA graphs, tokenfab eager,
-and transformers ``generate`` (the peer), and reports the ratios.
+and transformers ``generate`` (the peer) at each batch size of ``--hf-batch-sizes``, and reports
+the ratios against the peer's best batch size. Each engine runs in a fresh spawned process (fresh
+device memory, nothing inherited; ``--same-process`` frees each one instead) and warms up on
+prompts that are never measured (so no prefix cache holds a measured prompt).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import tempfile
 import time
@@ -43,8 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=256, help="tokens generated in the batch-1 test")
-    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--hf-batch-sizes", default="16,64,all",
+                   help="the peer's batch sizes, comma list ('all': every request at once); the best is the peer")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="one peer batch size (overrides --hf-batch-sizes)")
+    p.add_argument("--warmup-requests", type=int, default=64,
+                   help="fresh prompts (never measured) each engine generates 8 tokens for before timing")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every engine in this process (freeing the previous one) instead of a fresh process each")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -68,7 +78,10 @@ def build_model_dir(shape: str, dtype, out: Path) -> Path:
     return out
 
 
-def _tokenfab(path: Path, args, prompts, eager: bool) -> dict:
+WARMUP_TOKENS = 8
+
+
+def _tokenfab(path: Path, args, work: dict, eager: bool) -> dict:
     from tokenfab.engine.llm import LLM
     from tokenfab.engine.sampling_params import SamplingParams
 
@@ -76,21 +89,26 @@ def _tokenfab(path: Path, args, prompts, eager: bool) -> dict:
     llm = LLM(str(path), dtype=args.dtype, device=args.device, enforce_eager=eager,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1))
     load_s = time.perf_counter() - t0
+    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    llm.generate(work["warm"], warm)  # fresh prompts: nothing measured is in the prefix cache
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    _sync()
     t0 = time.perf_counter()
-    llm.generate([prompts[0]], one)
+    llm.generate([work["batch1"]], one)
+    _sync()
     b1 = args.decode_tokens / (time.perf_counter() - t0)
     many = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     _sync()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, many)
+    outs = llm.generate(work["prompts"], many)
     _sync()
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"engine": "tokenfab" + (" eager" if eager else " + CUDA graphs"), "load_s": load_s,
            "batch1_decode_tok_s": b1, "output_tok_s": n / dt, "seconds": dt, "output_tokens": n,
-           "device": str(llm.engine.device), "dtype": str(llm.engine.dtype)}
+           "device": str(llm.engine.device), "dtype": str(llm.engine.dtype), "pid": os.getpid(),
+           "settings": {"max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": eager,
+                        "warmup": f"{len(work['warm'])} fresh prompts x {WARMUP_TOKENS} tokens"}}
     del llm, outs
     gc.collect()
     _empty()
@@ -111,46 +129,75 @@ def _empty() -> None:
         torch.cuda.empty_cache()
 
 
-def _transformers(path: Path, args, prompts, device, dtype) -> dict:
+def _hf_batches(hf, prompts: list[list[int]], batch_size: int, new_tokens: int, device) -> int:
+    import torch
+
+    n = 0
+    for i in range(0, len(prompts), batch_size):
+        chunk = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
+        out = hf.generate(input_ids=chunk, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        n += (out.shape[1] - chunk.shape[1]) * chunk.shape[0]
+    return n
+
+
+def _transformers(path: Path, args, work: dict, device: str, dtype: str, batch_size: int, batch1: bool) -> dict:
+    """transformers generate at one batch size, warmed up at that size on the fresh prompts; the
+    batch-1 decode test only where ``batch1`` (it does not depend on the batch size)."""
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    from tokenfab.bench.throughput import check_peer_dtype
+
+    tdtype = getattr(torch, dtype.removeprefix("torch."))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype).to(device).eval()
+    param_dtypes = check_peer_dtype(hf, tdtype)
+    b1 = None
     with torch.inference_mode():
-        ids = torch.tensor([prompts[0]], device=device)
-        hf.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        _hf_batches(hf, work["warm"], batch_size, WARMUP_TOKENS, device)
+        if batch1:
+            ids = torch.tensor([work["batch1"]], device=device)
+            hf.generate(input_ids=ids, max_new_tokens=WARMUP_TOKENS, min_new_tokens=WARMUP_TOKENS, do_sample=False)
+            _sync()
+            t0 = time.perf_counter()
+            hf.generate(input_ids=ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
+                        do_sample=False)
+            _sync()
+            b1 = args.decode_tokens / (time.perf_counter() - t0)
         _sync()
         t0 = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
-                    do_sample=False)
-        _sync()
-        b1 = args.decode_tokens / (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        n = 0
-        for i in range(0, len(prompts), args.hf_batch_size):
-            chunk = torch.tensor(prompts[i : i + args.hf_batch_size], device=device)  # equal lengths: no padding
-            out = hf.generate(input_ids=chunk, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                              do_sample=False)
-            n += (out.shape[1] - chunk.shape[1]) * chunk.shape[0]
+        n = _hf_batches(hf, work["prompts"], batch_size, args.output_len, device)
         _sync()
         dt = time.perf_counter() - t0
+    settings = {"transformers": transformers.__version__, "param_dtypes": param_dtypes, "batch_size": batch_size,
+                "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+                "warmup": f"{len(work['warm'])} fresh prompts x {WARMUP_TOKENS} tokens at batch {batch_size}"}
     del hf
     gc.collect()
     _empty()
-    return {"engine": f"transformers (batch {args.hf_batch_size})", "batch1_decode_tok_s": b1,
-            "output_tok_s": n / dt, "seconds": dt, "output_tokens": n}
+    return {"engine": f"transformers (batch {batch_size})", "batch1_decode_tok_s": b1, "output_tok_s": n / dt,
+            "seconds": dt, "output_tokens": n, "pid": os.getpid(), "settings": settings}
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tokenfab.bench.throughput import in_fresh_process, in_this_process, peer_batch_sizes
     from tokenfab.engine.llm_engine import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    rng = random.Random(0)
     vocab = SHAPES[args.shape]["vocab_size"]
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)]
+
+    def fresh(n: int, seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(n)]
+
+    work = {"prompts": fresh(args.num_requests, 0), "warm": fresh(args.warmup_requests, 1),
+            "batch1": fresh(1, 2)[0]}
+    sizes = [] if args.skip_hf else (
+        [min(args.hf_batch_size, args.num_requests)] if args.hf_batch_size
+        else peer_batch_sizes(args.hf_batch_sizes, args.num_requests))
+    call = in_this_process if args.same_process else in_fresh_process
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model_dir(args.shape, dtype, Path(tmp) / args.shape)
         results: list[dict] = []
@@ -160,29 +207,35 @@ def run(args: argparse.Namespace) -> int:
             write_json(args.json, {"benchmark": "engine", "partial": True, "shape": args.shape, "results": results})
 
         if device.type == "cuda":
-            keep(_tokenfab(path, args, prompts, eager=False))
-        keep(_tokenfab(path, args, prompts, eager=True))
-        if not args.skip_hf:
-            keep(_transformers(path, args, prompts, device, dtype))
+            keep(call(_tokenfab, path, args, work, False))
+        keep(call(_tokenfab, path, args, work, True))
+        for i, bs in enumerate(sizes):
+            keep(call(_transformers, path, args, work, str(device), str(dtype), bs, i == 0))
     ours = results[0]
-    peer = results[-1] if not args.skip_hf else None
+    peers = results[1 + (device.type == "cuda"):]
     ratios = {}
-    if peer:
-        ratios = {"batch1_decode": ours["batch1_decode_tok_s"] / peer["batch1_decode_tok_s"],
-                  "throughput": ours["output_tok_s"] / peer["output_tok_s"]}
-    rows = [[r["engine"], r["batch1_decode_tok_s"], r["output_tok_s"], r["seconds"]] for r in results]
+    if peers:
+        best = max(peers, key=lambda r: r["output_tok_s"])
+        ratios = {"batch1_decode": ours["batch1_decode_tok_s"] / peers[0]["batch1_decode_tok_s"],
+                  "throughput": ours["output_tok_s"] / best["output_tok_s"], "best_peer": best["engine"]}
+    rows = [[r["engine"], r["batch1_decode_tok_s"] if r["batch1_decode_tok_s"] is not None else "-",
+             r["output_tok_s"], r["seconds"]] for r in results]
     table = markdown_table(["engine", "batch-1 decode tok/s", f"{args.num_requests} req output tok/s", "seconds"], rows)
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    isolation = "all in one process" if args.same_process else "each engine in a fresh process"
     head = (f"shape {args.shape}, {dtype} on {device} ({where}); "
-            f"{args.num_requests} requests x {args.input_len} in / {args.output_len} out; commit {git_commit()}")
+            f"{args.num_requests} requests x {args.input_len} in / {args.output_len} out; {isolation}; "
+            f"warm-up on {args.warmup_requests} fresh prompts each; commit {git_commit()}")
     text = head + "\n\n" + table
     if ratios:
-        text += "\n\nratio vs transformers: " + json.dumps({k: round(v, 2) for k, v in ratios.items()})
+        text += "\n\nratio vs transformers (throughput: vs its best batch size): " + json.dumps(
+            {k: round(v, 2) if isinstance(v, float) else v for k, v in ratios.items()})
     print(text)
     report = {"benchmark": "engine", "shape": args.shape, "machine": machine(), "commit": git_commit(),
-              "dtype": str(dtype), "device": str(device),
+              "dtype": str(dtype), "device": str(device), "isolation": isolation,
               "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
-                           "output_len": args.output_len, "decode_tokens": args.decode_tokens},
+                           "output_len": args.output_len, "decode_tokens": args.decode_tokens,
+                           "warmup_requests": args.warmup_requests, "peer_batch_sizes": sizes},
               "results": results, "ratios_vs_transformers": ratios}
     write_json(args.json, report)
     if args.markdown:
