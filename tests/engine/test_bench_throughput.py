@@ -62,7 +62,8 @@ def test_bench_throughput_rounds_warmup_and_report(tiny_llama_dir, tmp_path, mon
     out = tmp_path / "report.json"
     rc = main(["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "3", "--min-prompt-len", "4",
                "--max-prompt-len", "9", "--output-len", "5", "--hf-batch-sizes", "2,all", "--repeats", "2",
-               "--warmup-requests", "2", "--warmup-tokens", "3", "--same-process", "--json", str(out)])
+               "--warmup-requests", "2", "--warmup-tokens", "3", "--same-process", "--json", str(out),
+               "--markdown", str(tmp_path / "report.md")])
     assert rc == 0
     # each engine ran: warm-up (2 fresh prompts, 3 tokens), then the 3 measured prompts
     assert len(ours_calls) == 4 and len(peer_calls) == 8
@@ -93,6 +94,8 @@ def test_bench_throughput_rounds_warmup_and_report(tiny_llama_dir, tmp_path, mon
     assert report["ratio_vs_best_peer"] == statistics.median(report["ratios"]) == s["ratio_median"]
     assert s["ratio_min"] == min(report["ratios"]) and report["conservative_ratio"] <= s["ratio_min"]
     assert report["isolation"] == "one process for everything"
+    md = (tmp_path / "report.md").read_text()
+    assert "worst round" in md and "- transformers (batch 3): " in md and "param_dtypes=" in md
 
 
 def test_bench_throughput_fresh_processes_both_allocator_settings(tiny_llama_dir, tmp_path):

@@ -119,7 +119,8 @@ def test_bench_serve_peer_rows_like_for_like(tmp_path):
     fake = FakeServers()
     out = tmp_path / "r.json"
     rc = serve.run(_args("--concurrency", "1,2", "--peer-base-url", "http://peer/v1", "--peer-label", "peer",
-                         "--peer-stream-up-to", "1", "--json", str(out)), transport=httpx.MockTransport(fake))
+                         "--peer-stream-up-to", "1", "--json", str(out), "--markdown", str(tmp_path / "r.md")),
+                   transport=httpx.MockTransport(fake))
     assert rc == 0
     report = json.loads(out.read_text())
     rows = [(r["server"], r["concurrency"], r["stream"]) for r in report["results"]]
@@ -139,6 +140,8 @@ def test_bench_serve_peer_rows_like_for_like(tmp_path):
     assert {b["prompt"] for b in peer_bodies} == {b["prompt"] for b in ours_bodies}  # same prompts, warm-up too
     assert all(b["model"] == "peer-model" for b in peer_bodies)
     assert [s["label"] for s in report["servers"]] == ["tokenfab", "peer"]
+    md = (tmp_path / "r.md").read_text()
+    assert "| peer | 2 | no | 3/3 |" in md and "streamed up to concurrency 1" in md
 
 
 def test_llama_cpp_payload_asks_for_the_same_work():

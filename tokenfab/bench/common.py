@@ -32,6 +32,10 @@ def machine() -> dict[str, Any]:
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
+    env = {k: v for k, v in os.environ.items()
+           if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD") or k.startswith(("MALLOC_", "TOKENFAB_"))}
+    if env:
+        info["env"] = env  # what changes threads, the allocator or our kernels
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to count each chunk's tokens exactly")
     parser.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument("--markdown", default=None, help="write the table and the servers' settings here")
     parser.add_argument("--label", default=None, help="name of the server in the report")
     parser.add_argument("--settings", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the server under test to print in the report (repeatable), "
@@ -337,9 +338,18 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
         "results": results,
     }
     names = " vs ".join(f"{t.label} ({t.model})" for t in targets)
-    print(f"\n{names} · {args.endpoint} · ~{args.input_len} words in, {args.output_len} tokens out · "
-          f"{args.num_requests} requests per level\n")
-    print(markdown_table(results))
+    text = [f"{names} · {args.endpoint} · ~{args.input_len} words in, {args.output_len} tokens out · "
+            f"{args.num_requests} requests per level · {args.warmup} warm-up request(s) each · commit "
+            f"{report['commit']} · {report['machine']['processor']}, {report['machine']['cpus']} CPUs", "",
+            markdown_table(results), "", "ITL is per token (a chunk of k tokens after a gap dt counts k intervals "
+            "of dt/k); TTFT/TPOT/ITL exist only for streamed rows.", "", "Servers:", ""]
+    text += [f"- {t.label} at {t.root} (model {t.model}" + (f"; streamed up to concurrency {t.stream_up_to}, "
+             "non-streamed above" if t.stream_up_to is not None else "") + "): "
+             + (json.dumps(t.settings) if t.settings else "no settings given") for t in targets]
+    print("\n" + "\n".join(text))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(text) + "\n")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)

@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--same-process", action="store_true",
                    help="run every engine in this process instead of a fresh process each (see the module doc)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the printed tables and settings here")
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -254,24 +255,33 @@ def run(args: argparse.Namespace) -> int:
             rounds.append({"allocator": alloc, "results": [ours, *peers], "best_peer": best["engine"] if best else None,
                            "ratio": ratio})
     where = "all in this process" if args.same_process else "each engine run in a fresh process"
-    print(f"model {model_name} ({dtype}) on {device}; {args.num_requests} requests, prompts "
-          f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each; {where}; "
-          f"warm-up {args.warmup_requests} fresh prompts x {args.warmup_tokens} tokens each side")
+    mach, commit = machine(), git_commit()
+    out = [f"model {model_name} ({dtype}) on {device} ({mach.get('cpu') or mach.get('gpu') or mach['platform']}, "
+           f"{mach['cpus']} CPUs), commit {commit}; {args.num_requests} requests, prompts "
+           f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each; {where}; "
+           f"warm-up {args.warmup_requests} fresh prompts x {args.warmup_tokens} tokens each side", ""]
     rows = [[i + 1, rnd["allocator"], r["engine"], r["settings"].get("torch_threads"), r["output_tokens"],
              r["seconds"], r["output_tok_s"], r["total_tok_s"]]
             for i, rnd in enumerate(rounds) for r in rnd["results"]]
-    print(markdown_table(["run", "allocator", "engine", "threads", "output tokens", "seconds", "output tok/s",
-                          "total tok/s"], rows))
+    out.append(markdown_table(["run", "allocator", "engine", "threads", "output tokens", "seconds", "output tok/s",
+                               "total tok/s"], rows))
     summary = {alloc: summarize([r for r in rounds if r["allocator"] == alloc]) for alloc in settings}
     for alloc, s in summary.items():
         if s["ratio_median"] is not None:
             each = ", ".join(f"{x:.2f}x" for x in s["ratios"])
-            print(f"\nallocator {alloc}: tokenfab / best transformers, output tok/s: median {s['ratio_median']:.2f}x, "
-                  f"worst round {s['ratio_min']:.2f}x, our median vs the peer's best run "
-                  f"{s['ratio_vs_peer_best_run']:.2f}x (rounds: {each})")
+            out += ["", f"allocator {alloc}: tokenfab / best transformers, output tok/s: median "
+                    f"{s['ratio_median']:.2f}x, worst round {s['ratio_min']:.2f}x, our median vs the peer's best run "
+                    f"{s['ratio_vs_peer_best_run']:.2f}x (rounds: {each})"]
+    first = rounds[0]["results"]
+    out += ["", "Settings (first run of each engine):", ""]
+    out += [f"- {r['engine']}: " + ", ".join(f"{k}={v}" for k, v in r["settings"].items()) for r in first]
+    text = "\n".join(out)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
     main = summary[settings[0]]
     write_json(args.json, {
-        "benchmark": "throughput", "machine": machine(), "commit": git_commit(), "model": model_name,
+        "benchmark": "throughput", "machine": mach, "commit": commit, "model": model_name,
         "dtype": dtype, "device": str(device),
         "isolation": "one process for everything" if args.same_process else "a fresh process per engine run",
         "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt_len, args.max_prompt_len],
