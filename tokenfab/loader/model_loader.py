@@ -96,6 +96,9 @@ def load_model(
         archs = getattr(config, "architectures", None) or []
         if not archs:
             raise ModelLoadError(path / "config.json", "config.json names no `architectures`")
+        from tokenfab.loader.formats import check_quantization_config
+
+        check_quantization_config(path / "config.json", archs[0])
         arch, weights = archs[0], iter_safetensors(path)
         tokenizer = _hf_tokenizer(path) if load_tokenizer else None
     else:

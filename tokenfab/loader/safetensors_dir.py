@@ -29,14 +29,45 @@ def load_hf_config(model_dir: Path) -> Any:
         raise ModelLoadError(cfg_path, f"cannot read the model config: {e}") from e
 
 
+def _allowed_roots(model_dir: Path) -> list[Path]:
+    """Where a weight file may really live: the model folder, and for a Hugging Face hub cache
+    snapshot (``models--org--name/snapshots/<rev>/``, whose files are links to ``../../blobs/``)
+    that repository's blobs folder."""
+    roots = [model_dir.resolve()]
+    if model_dir.parent.name == "snapshots":
+        roots.append((model_dir.parent.parent / "blobs").resolve())
+    return roots
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    real = path.resolve()
+    return any(real == r or r in real.parents for r in roots)
+
+
+def _check_shard_name(index: Path, model_dir: Path, name: Any, roots: list[Path]) -> Path:
+    """A shard named by the index, refused unless it is a relative path that stays in the folder."""
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(index, f"bad safetensors index: shard name {name!r} is not a file name")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or "\\" in name or "\x00" in name:
+        raise ModelLoadError(index, f"bad safetensors index: shard {name!r} points outside the model folder")
+    f = model_dir / rel
+    if f.exists() and not _inside(f, roots):
+        raise ModelLoadError(index, f"bad safetensors index: shard {name!r} is a link leading outside the model folder")
+    return f
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a directory (from the index when there is one), each inside the folder."""
+    roots = _allowed_roots(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            names = set(weight_map.values())
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError, TypeError, AttributeError) as e:
             raise ModelLoadError(index, f"bad safetensors index ({e})") from e
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        files = [_check_shard_name(index, model_dir, n, roots) for n in sorted(names, key=str)]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f, "shard listed in model.safetensors.index.json is missing")
@@ -44,17 +75,48 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(model_dir, "no *.safetensors weight files in the model directory")
+    for f in files:
+        if not _inside(f, roots):
+            raise ModelLoadError(f, "weight file is a link leading outside the model folder")
     return files
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, one at a time."""
-    from safetensors import SafetensorError, safe_open
+class SafetensorsWeights:
+    """(name, tensor) for every tensor of every shard, one at a time; ``current_file`` is the
+    shard the last tensor came from, so errors about a tensor can name its file, and
+    ``all_names()`` every tensor name of the checkpoint (a float8 weight's ``weight_scale_inv``
+    beside it tells its format)."""
 
-    for f in safetensors_files(model_dir):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ModelLoadError(f, f"corrupt or truncated safetensors file ({e})") from e
+    def __init__(self, model_dir: Path) -> None:
+        self.files = safetensors_files(model_dir)
+        self.current_file: Path | None = None
+
+    def all_names(self) -> frozenset[str]:
+        """Every tensor name in every shard (reads the headers only)."""
+        from safetensors import SafetensorError, safe_open
+
+        names: set[str] = set()
+        for f in self.files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    names.update(fh.keys())
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ModelLoadError(f, f"corrupt or truncated safetensors file ({e})") from e
+        return frozenset(names)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import SafetensorError, safe_open
+
+        for f in self.files:
+            self.current_file = f
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    for name in fh.keys():
+                        yield name, fh.get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ModelLoadError(f, f"corrupt or truncated safetensors file ({e})") from e
+
+
+def iter_safetensors(model_dir: Path) -> SafetensorsWeights:
+    """Every tensor of every shard, one at a time (see :class:`SafetensorsWeights`)."""
+    return SafetensorsWeights(model_dir)

@@ -10,8 +10,11 @@ from torch import nn
 
 from tokenfab.layers.linear import MergedLinear
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.formats import is_plain_float, may_be_taken_packed, unsupported_tensor_problem
 
-# Checkpoint entries that carry no weights we need.
+# Checkpoint entries that carry no weights we need: the rotary frequencies some Llama exports
+# save (we compute them from the config). Models skip their own known extras themselves
+# (remap_checkpoint_name -> None, e.g. Kimi's vision tower; DeepSeek keeps its MTP layer aside).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -26,17 +29,33 @@ def _target(model: nn.Module, name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> None:
     """Load every parameter of ``model`` from ``weights``; a missing or misshapen tensor is a
     ModelLoadError naming ``source``. Models may rename checkpoint entries first with a
     ``remap_checkpoint_name(name) -> str | None`` method (None: skip the entry), and take
     entries themselves with ``load_checkpoint_tensor(name, tensor) -> list[str] | None`` (None:
-    not taken; else the parameters that are now complete; ValueError: a bad tensor)."""
+    not taken; else the parameters that are now complete; ValueError: a bad tensor).
+
+    Nothing is dropped silently: a tensor in a dtype no parameter takes as is (float8, packed
+    integers: a quantized format we do not load yet) is an error naming the format, and a
+    tensor that nothing consumed is an error naming it (``_IGNORED_SUFFIXES`` and the entries a
+    model's remap skips excepted). When ``weights`` has a ``current_file`` attribute (the
+    safetensors reader), errors name the shard the tensor came from.
+    """
+
+    def where() -> str | Path:
+        return getattr(weights, "current_file", None) or source
+
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     remap = getattr(model, "remap_checkpoint_name", None)
     take = getattr(model, "load_checkpoint_tensor", None)
     loaded: set[str] = set()
+    unused: dict[str, str | Path] = {}  # checkpoint name -> its file
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -44,17 +63,25 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             ckpt_name = remap(ckpt_name)
             if ckpt_name is None:
                 continue
+        plain = is_plain_float(tensor)
+        if not plain and not may_be_taken_packed(ckpt_name, tensor):
+            all_names = getattr(weights, "all_names", None)
+            siblings = all_names() if callable(all_names) else ()
+            raise ModelLoadError(where(), unsupported_tensor_problem(ckpt_name, tensor, siblings))
         if take is not None:
             try:
                 done = take(ckpt_name, tensor)
             except ValueError as e:
-                raise ModelLoadError(source, str(e)) from e
+                raise ModelLoadError(where(), str(e)) from e
             if done is not None:
                 loaded.update(done)
                 continue
+        if not plain:  # packed blocks that no model hook took
+            raise ModelLoadError(where(), unsupported_tensor_problem(ckpt_name, tensor))
         name, shard = _target(model, ckpt_name)
         if name not in params:
-            continue  # e.g. lm_head.weight present although embeddings are tied
+            unused[ckpt_name] = where()
+            continue
         param = params[name]
         if shard is not None:
             mod = modules[name.rsplit(".", 1)[0]]
@@ -67,9 +94,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             loaded.add(name)
         if dst.shape != tensor.shape:
             raise ModelLoadError(
-                source, f"tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                where(), f"tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
             )
         dst.copy_(tensor)
+    if unused:
+        files = sorted({str(f) for f in unused.values()})
+        raise ModelLoadError(
+            files[0] if len(files) == 1 else source,
+            f"checkpoint tensors that no parameter of {type(model).__name__} takes: {_shown(sorted(unused))} "
+            "(a format or architecture variant tokenfab does not load yet; nothing is dropped silently)",
+        )
     missing = []
     for name in dict(model.named_parameters()):  # tied parameters listed once
         mod = modules.get(name.rsplit(".", 1)[0])
@@ -78,5 +112,4 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         elif name not in loaded:
             missing.append(name)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(source, f"missing tensors: {shown}")
+        raise ModelLoadError(source, f"missing tensors: {_shown(missing)}")

@@ -1,0 +1,152 @@
+"""Which checkpoint formats we can load, and a clear refusal for those we cannot yet.
+
+A quantized checkpoint must never load as silent garbage. Official FP8 DeepSeek checkpoints store
+float8_e4m3fn weights beside ``weight_scale_inv`` block scales: copying the float8 values into
+bfloat16 parameters and dropping the scales runs, and answers nonsense. So a checkpoint is
+refused, with the file and the format named, when
+
+* its ``config.json`` carries a ``quantization_config`` whose ``quant_method`` this architecture
+  does not load (:func:`check_quantization_config`), or
+* a tensor's dtype is one no parameter takes as is: a float8 type, or an integer type that the
+  model's own ``load_checkpoint_tensor`` does not consume (:func:`unsupported_tensor_problem`).
+
+What does load: unquantized float32 / float16 / bfloat16 tensors for every architecture, and
+MXFP4 experts (``*_blocks`` / ``*_scales`` uint8 pairs) for GPT-OSS, dequantized at load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenfab.loader.errors import ModelLoadError
+
+# quant_method -> the architectures whose models dequantize it at load
+SUPPORTED_QUANT_METHODS: dict[str, tuple[str, ...]] = {"mxfp4": ("GptOssForCausalLM",)}
+
+# Integer tensors a model's load_checkpoint_tensor may consume: MXFP4 blocks and scales (GPT-OSS).
+# Any other integer tensor (or one that no model hook takes) is refused.
+_PACKED_SUFFIXES = ("_blocks", "_scales")
+
+_PLAIN_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Tensor-name endings that identify a format, most specific first: (ending, format description).
+_FORMAT_BY_SUFFIX = (
+    ("weight_scale_inv", "FP8 block-quantized (float8 weights with weight_scale_inv block scales, "
+                         "e.g. the official DeepSeek-V3/R1 checkpoints)"),
+    ("weight_packed", "compressed-tensors pack-quantized (int32-packed low-bit weights)"),
+    ("weight_scale", "compressed-tensors / FP8 (per-channel or per-tensor weight_scale)"),
+    ("weight_zero_point", "compressed-tensors (quantized weights with zero points)"),
+    ("_blocks", "MXFP4 (uint8 _blocks with _scales)"),
+    ("_scales", "MXFP4 (uint8 _blocks with _scales)"),
+    ("qweight", "GPTQ/AWQ (int32-packed qweight)"),
+    ("qzeros", "GPTQ/AWQ (int32-packed qzeros)"),
+    ("g_idx", "GPTQ (g_idx)"),
+    ("absmax", "bitsandbytes"),
+    ("quant_map", "bitsandbytes"),
+    ("weight_scale_2", "NVFP4 (ModelOpt)"),
+    ("input_scale", "FP8 / NVFP4 (static activation input_scale)"),
+)
+
+_METHOD_NAMES = {
+    "fp8": "FP8",
+    "compressed-tensors": "compressed-tensors",
+    "mxfp4": "MXFP4",
+    "gptq": "GPTQ",
+    "awq": "AWQ",
+    "bitsandbytes": "bitsandbytes",
+    "modelopt": "ModelOpt (NVFP4/FP8)",
+    "fbgemm_fp8": "FBGEMM FP8",
+    "hqq": "HQQ",
+    "eetq": "EETQ",
+    "aqlm": "AQLM",
+    "torchao": "torchao",
+}
+
+
+def describe_quantization(qc: dict[str, Any]) -> str:
+    """A human name for a ``quantization_config``: the method plus the details that tell formats apart."""
+    method = str(qc.get("quant_method", "unknown"))
+    name = _METHOD_NAMES.get(method, method)
+    details = []
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            details.append(f"block-quantized, weight_block_size {list(qc['weight_block_size'])}, "
+                           "weight_scale_inv scales")
+        if qc.get("fmt"):
+            details.append(f"fmt {qc['fmt']}")
+    elif method == "compressed-tensors":
+        if qc.get("format"):
+            details.append(f"format {qc['format']!r}")
+        for group in (qc.get("config_groups") or {}).values():
+            w = (group or {}).get("weights") or {}
+            if w:
+                details.append(f"weights {w.get('type', '?')}{w.get('num_bits', '')} {w.get('strategy', '')}".rstrip())
+                break
+    elif method in ("gptq", "awq") and qc.get("bits"):
+        details.append(f"{qc['bits']}-bit")
+    return name + (f" ({', '.join(details)})" if details else "")
+
+
+def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a raw config.json (top level, or a multimodal model's text_config)."""
+    qc = raw.get("quantization_config")
+    if qc is None and isinstance(raw.get("text_config"), dict):
+        qc = raw["text_config"].get("quantization_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def check_quantization_config(config_path: Path, arch: str) -> None:
+    """Refuse a checkpoint whose config.json names a quantization this architecture cannot load."""
+    try:
+        raw = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError):
+        return  # load_hf_config reports unreadable configs
+    qc = quantization_config(raw) if isinstance(raw, dict) else None
+    if qc is None:
+        return
+    method = str(qc.get("quant_method", ""))
+    if arch in SUPPORTED_QUANT_METHODS.get(method, ()):
+        return
+    where = [m for m, archs in SUPPORTED_QUANT_METHODS.items()]
+    raise ModelLoadError(
+        config_path,
+        f"unsupported quantized checkpoint: quantization_config is {describe_quantization(qc)}, which tokenfab "
+        f"cannot load for {arch} yet (it loads float32/float16/bfloat16 weights"
+        + "".join(f", and {_METHOD_NAMES.get(m, m)} for {', '.join(SUPPORTED_QUANT_METHODS[m])}" for m in where)
+        + "); use an unquantized checkpoint or a GGUF file",
+    )
+
+
+def format_of_tensor(name: str, tensor: torch.Tensor, siblings: Collection[str] = ()) -> str:
+    """The on-disk format a tensor's name, its dtype or its neighbours in the file (``siblings``)
+    point to."""
+    for suffix, fmt in _FORMAT_BY_SUFFIX:
+        if name.endswith(suffix):
+            return fmt
+    if "float8" in str(tensor.dtype):
+        for suffix, fmt in _FORMAT_BY_SUFFIX[:3]:  # weight_scale_inv, weight_packed, weight_scale
+            if name + suffix.removeprefix("weight") in siblings:
+                return fmt
+        return "FP8 (float8 weights)"
+    return f"quantized or packed ({str(tensor.dtype).removeprefix('torch.')} tensors)"
+
+
+def may_be_taken_packed(name: str, tensor: torch.Tensor) -> bool:
+    """Whether a non-float tensor may be offered to the model's own loader hook (MXFP4 pairs)."""
+    return tensor.dtype == torch.uint8 and name.endswith(_PACKED_SUFFIXES)
+
+
+def is_plain_float(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in _PLAIN_FLOATS
+
+
+def unsupported_tensor_problem(name: str, tensor: torch.Tensor, siblings: Collection[str] = ()) -> str:
+    """The error text for a tensor no parameter can take as is."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return (f"unsupported quantized checkpoint: tensor {name} is stored as {dtype}, a "
+            f"{format_of_tensor(name, tensor, siblings)} checkpoint, which tokenfab cannot load yet")
