@@ -1,0 +1,196 @@
+"""The block manager's promises: reference counts equal the holders, free + used = total, a block
+is shared only by requests with the same (salt, token prefix) up to it, prefix-cache hits only on
+equal prefixes, and unreferenced cached blocks are evicted least recently freed first (LRU).
+
+A hypothesis state machine drives random admissions, growth, frees and eviction pressure, and
+holds every state to a plain model of who holds which block with which tokens; the LRU order
+is pinned by small scenarios written out step by step.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tokenfab.engine.kv_cache import BlockManager
+from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.sequence import Sequence
+
+BS = 4
+tokens = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # tiny alphabet: many equal prefixes
+salts = st.sampled_from([None, None, "alice", "bob"])
+
+
+def _seq(toks: list[int], salt: str | None = None, name: str = "s") -> Sequence:
+    return Sequence(name, None, list(toks), SamplingParams(), 0, cache_salt=salt)
+
+
+class Machine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=10, block_size=BS)
+        self.live: list[Sequence] = []
+        self.written: dict[int, tuple] = {}  # block -> (salt, the whole token prefix up to its end)
+        self.computed: set[tuple] = set()  # every (salt, full-block prefix) ever computed
+        self.n = 0
+
+    def _compute(self, seq: Sequence, n: int) -> bool:
+        if not self.bm.allocate(seq, n):
+            return False
+        seq.num_computed_tokens += n
+        for j in range(seq.num_computed_tokens // BS):
+            key = (seq.cache_salt, tuple(seq.token_ids[: (j + 1) * BS]))
+            self.computed.add(key)
+            self.written[seq.block_table[j]] = key
+        self.bm.commit_full_blocks(seq)
+        return True
+
+    def _admit(self, toks: list[int], salt) -> None:
+        seq = _seq(toks, salt, f"s{self.n}")
+        self.n += 1
+        hit = self.bm.allocate_cached_prefix(seq)
+        assert hit % BS == 0 and hit < len(toks) and len(seq.block_table) == hit // BS
+        for j in range(hit // BS):
+            key = (salt, tuple(toks[: (j + 1) * BS]))
+            assert key in self.computed  # a hit only on a prefix (and salt) once computed...
+            assert self.written[seq.block_table[j]] == key  # ...and the block still holds it
+        if self._compute(seq, len(toks) - hit):
+            self.live.append(seq)
+        else:
+            self.bm.free(seq)
+
+    @rule(toks=tokens, salt=salts)
+    def admit(self, toks, salt):
+        self._admit(toks, salt)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), cut=st.integers(1, 16), extra=tokens)
+    def admit_sharing_a_prefix(self, i, cut, extra):
+        parent = self.live[i % len(self.live)]
+        self._admit(parent.token_ids[: min(cut, parent.num_tokens)] + extra, parent.cache_salt)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), extra=tokens)
+    def grow(self, i, extra):
+        seq = self.live[i % len(self.live)]
+        seq.token_ids += extra
+        if not self._compute(seq, len(extra)):
+            self.bm.free(seq)
+            self.live.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def free(self, i):
+        self.bm.free(self.live.pop(i % len(self.live)))
+
+    @rule(n=st.integers(1, 10))
+    def pressure(self, n):
+        self._admit([5] * (n * BS - 1) + [6], None)  # fresh tokens: n blocks from the free queue
+
+    @invariant()
+    def holders_and_counts(self):
+        self.bm.check_invariants()
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq in self.live:
+            assert len(set(seq.block_table)) == len(seq.block_table)
+            assert len(seq.block_table) * BS >= seq.num_computed_tokens
+            for j, b in enumerate(seq.block_table):
+                holders.setdefault(b, []).append((seq, j))
+        for b in range(self.bm.num_blocks):
+            assert self.bm.ref_counts[b] == len(holders.get(b, []))
+        assert self.bm.num_free_blocks + len(holders) == self.bm.num_blocks
+        assert self.bm.num_used_blocks == len(holders)
+        # a block in two tables: the same position, and the same salt and tokens up to its end
+        for hs in holders.values():
+            if len(hs) > 1:
+                (s0, j0) = hs[0]
+                for s, j in hs[1:]:
+                    assert j == j0 and s.cache_salt == s0.cache_salt
+                    assert s.token_ids[: (j + 1) * BS] == s0.token_ids[: (j + 1) * BS]
+
+    def teardown(self):
+        for seq in self.live:
+            self.bm.free(seq)
+        assert all(r == 0 for r in self.bm.ref_counts)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+Machine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestBlockManagerInvariants = Machine.TestCase
+
+
+# ---- LRU eviction, step by step ----------------------------------------------------------------
+
+A = [1, 1, 1, 1, 2, 2, 2, 2, 3]  # two full blocks and one token
+B = [4, 4, 4, 4, 5, 5, 5, 5, 6]
+
+
+def _run(bm: BlockManager, toks: list[int], salt=None) -> Sequence:
+    """Admit and compute a whole prompt (taking what the cache has); returns the sequence."""
+    seq = _seq(toks, salt)
+    hit = bm.allocate_cached_prefix(seq)
+    assert bm.allocate(seq, len(toks) - hit)
+    seq.num_computed_tokens = len(toks)
+    bm.commit_full_blocks(seq)
+    return seq
+
+
+def _hit(bm: BlockManager, toks: list[int], salt=None) -> int:
+    """How many tokens of toks the cache serves (the probe's references are dropped again)."""
+    seq = _seq(toks, salt)
+    hit = bm.allocate_cached_prefix(seq)
+    bm.free(seq)
+    return hit
+
+
+def test_least_recently_freed_cached_blocks_are_evicted_first():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    bm.free(_run(bm, A))  # A's 3 blocks freed first, its tail before its full blocks...
+    bm.free(_run(bm, B))  # ...then B's (B took the 3 never-used blocks: A's cache survived)
+    hold = [_run(bm, [7, 8, 9])]  # 1 fresh block: the least recently freed is A's (uncached) tail
+    hold.append(_run(bm, [9, 8, 7]))  # the next one: A's second block, whose cache entry goes
+    assert _hit(bm, A) == 4 and _hit(bm, B) == 8
+    for s in hold:
+        bm.free(s)
+    bm.check_invariants()
+
+
+def test_a_hit_makes_a_block_recently_used():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    bm.free(_run(bm, A))
+    bm.free(_run(bm, B))
+    bm.free(_run(bm, A[:8] + [0]))  # A's prefix taken again and freed: now newer than B's blocks
+    hold = [_run(bm, [7, 7, 7]), _run(bm, [8, 8, 8]), _run(bm, [9, 9, 9])]  # 3 fresh blocks
+    assert _hit(bm, A) == 8 and _hit(bm, B) == 0
+    for s in hold:
+        bm.free(s)
+
+
+def test_referenced_cached_blocks_are_never_evicted():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = _run(bm, A)  # holds 3 blocks
+    big = _seq(list(range(10, 18)))  # needs 2
+    assert not bm.can_allocate(big, 8) and not bm.allocate(big, 8)
+    assert big.block_table == [] and bm.num_free_blocks == 1
+    assert _hit(bm, A) == 8  # a sharer may take them: they are still cached
+    bm.free(a)
+    assert bm.allocate(big, 8)
+
+
+def test_hits_only_on_equal_chained_prefixes_and_equal_salts():
+    bm = BlockManager(num_blocks=20, block_size=BS)
+    bm.free(_run(bm, A))
+    assert _hit(bm, A[:8] + [9, 9]) == 8
+    assert _hit(bm, A[:4] + [0, 0, 0, 0, 0]) == 4  # the second block differs
+    assert _hit(bm, [0, 0, 0, 0] + A[4:]) == 0  # the second block is equal, its prefix is not
+    assert _hit(bm, A[:4]) == 0  # at least one token is left to compute (for the logits)
+    assert _hit(bm, A, salt="x") == 0  # a salted request never shares an unsalted block
+    bm.free(_run(bm, A, salt="x"))
+    assert _hit(bm, A, salt="x") == 8 and _hit(bm, A, salt="y") == 0
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    bm.free(_run(bm, A))
+    assert _hit(bm, A) == 0
