@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Re-measure the CPU result files of benchmarks/results/ at the current commit (issue 12):
+#
+#   scripts/bench_cpu.sh throughput   offline throughput vs transformers (rounds interleaved, each run
+#                                     in a fresh process, the peer's batch sizes swept, one allocator
+#                                     setting for both) -> cpu_throughput_bundled{,_bf16}.{json,md}
+#   scripts/bench_cpu.sh serve        tokenfab serve vs llama.cpp's server on the same GGUF, concurrency
+#                                     1/4/16, in one run -> cpu_serve_bundled.{json,md,png}
+#   scripts/bench_cpu.sh all          both
+#
+# Knobs: REPEATS (throughput rounds, default 2), DTYPES (default "float32"; e.g. "float32 bfloat16"),
+# SERVE_REQUESTS (requests per level, default 16), OUTDIR (default benchmarks/results), PORT (8123).
+# The serve part needs the llama.cpp peer built once: scripts/llama_cpp_server.sh build (~6 min on
+# 2 cores; without it, it measures tokenfab alone and says so).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=.venv/bin/python
+OUTDIR="${OUTDIR:-benchmarks/results}"
+REPEATS="${REPEATS:-2}"
+DTYPES="${DTYPES:-float32}"
+SERVE_REQUESTS="${SERVE_REQUESTS:-16}"
+PORT="${PORT:-8123}"
+mkdir -p "$OUTDIR"
+
+throughput() {
+    for dtype in $DTYPES; do
+        local name=cpu_throughput_bundled
+        [ "$dtype" = float32 ] || name="${name}_${dtype/bfloat16/bf16}"
+        $PY -m tokenfab bench throughput --dtype "$dtype" --repeats "$REPEATS" \
+            --json "$OUTDIR/$name.json" --markdown "$OUTDIR/$name.md"
+    done
+}
+
+serve() {
+    local log server_pid peer=()
+    log="$(mktemp /tmp/tokenfab_serve.XXXXXX.log)"
+    $PY -m tokenfab serve --dtype float32 --port "$PORT" --no-access-log >"$log" 2>&1 &
+    server_pid=$!
+    trap 'kill "$server_pid" 2>/dev/null || true' RETURN
+    for _ in $(seq 1 240); do
+        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+        kill -0 "$server_pid" 2>/dev/null || { cat "$log" >&2; return 1; }
+        sleep 0.5
+    done
+    if [ -x "${LLAMA_CPP_VENV:-.venv-llamacpp}/bin/python" ]; then
+        peer=(--llama-cpp)
+    else
+        echo "no llama.cpp peer built (scripts/llama_cpp_server.sh build): measuring tokenfab alone" >&2
+    fi
+    $PY -m tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --concurrency 1,4,16 \
+        --num-requests "$SERVE_REQUESTS" --input-len 128 --output-len 64 --warmup 2 \
+        --settings dtype=float32 --settings "threads=$($PY -c 'import torch; print(torch.get_num_threads())')" \
+        --settings "weights=the GGUF's Q4_1 dequantized to float32 at load" --settings "launch=tokenfab serve --dtype float32" \
+        "${peer[@]}" --json "$OUTDIR/cpu_serve_bundled.json" --markdown "$OUTDIR/cpu_serve_bundled.md" \
+        --plot "$OUTDIR/cpu_serve_bundled.png"
+}
+
+case "${1:-all}" in
+throughput) throughput ;;
+serve) serve ;;
+all) throughput; serve ;;
+*) sed -n '2,16p' "$0" >&2; exit 2 ;;
+esac
