@@ -129,8 +129,10 @@ class LLM:
         final = []
         for i in range(len(prompts)):
             out = first[i]
+            errors = [r.finish_reason for r in results[i]]
             final.append(RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, results[i], True,
-                                       out.num_cached_tokens, out.metrics))
+                                       out.num_cached_tokens, out.metrics, out.prompt_logprobs,
+                                       out.error if "error" in errors else None))
         return final
 
 
