@@ -78,3 +78,82 @@ def run_capturing_logits(engine, ids: list[int], max_tokens: int) -> tuple[list[
     finally:
         engine.runner.execute = orig
     return outs[-1].outputs[0].token_ids, step_logits
+
+
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, arrivals: list[int] | None = None,
+              logprobs: int = 5) -> tuple[list[list[int]], list[list[dict[int, float]]], list]:
+    """Greedy-generate for several prompts in one engine, prompt i added before step ``arrivals[i]``
+    (default: all at once), so that later prompts' prefills share steps with earlier ones' decodes.
+
+    Returns, per request, its tokens and its per-token top-``logprobs`` {token: logprob}, and the
+    ForwardBatch of every step (for asserting which paths a test reached).
+    """
+    from tokenfab.engine.sampling_params import SamplingParams
+
+    arrivals = arrivals or [0] * len(prompts)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    batches: list = []
+    orig = engine.runner.execute
+
+    def spy(batch):
+        batches.append(batch)
+        return orig(batch)
+
+    engine.runner.execute = spy
+    done = {}
+    step = 0
+    try:
+        while step <= max(arrivals) or engine.has_unfinished_requests():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    engine.add_request(f"batch-{i}", list(prompts[i]), params)
+            for o in engine.step() if engine.has_unfinished_requests() else []:
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+            step += 1
+    finally:
+        engine.runner.execute = orig
+    outs = [done[f"batch-{i}"] for i in range(len(prompts))]
+    tokens = [list(o.token_ids) for o in outs]
+    lps = [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
+    return tokens, lps, batches
+
+
+def assert_batch_matches_hf(hf, prompts: list[list[int]], tokens: list[list[int]],
+                            logprobs: list[list[dict[int, float]]], atol: float = 1e-3) -> None:
+    """Per request: every generated token is transformers' greedy choice (fp32, the request alone)
+    and the top log-probabilities the engine reported equal transformers' log-softmax."""
+    for i, (prompt, gen, lps) in enumerate(zip(prompts, tokens, logprobs)):
+        ref = torch.log_softmax(hf_logits(hf, list(prompt) + gen), dim=-1)
+        for s, (tok, top) in enumerate(zip(gen, lps)):
+            row = ref[len(prompt) - 1 + s]
+            assert tok == int(row.argmax()), (
+                f"request {i} (prompt of {len(prompt)}), step {s}: token {tok}, transformers' top 3 "
+                f"{row.topk(3).indices.tolist()}")
+            ids = list(top)
+            got = torch.tensor([top[t] for t in ids])
+            torch.testing.assert_close(got, row[ids], atol=atol, rtol=0,
+                                       msg=lambda m, i=i, s=s: f"request {i}, step {s}: {m}")
+
+
+def paths_reached(batches: list, threshold: int) -> set[str]:
+    """Which batch shapes the steps had: "mixed" (a prefill chunk and a decode in one step),
+    "chunked" (a prefill chunk after a cached prefix), "decodes" (several decodes in one step),
+    "long+short" (one step with contexts above ``threshold`` and at most ``threshold``), and
+    "long+short decodes" (the same among decode rows)."""
+    seen: set[str] = set()
+    for b in batches:
+        q = (b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).tolist()
+        ctx = b.context_lens.tolist()
+        dec = [c for n, c in zip(q, ctx) if n == 1]
+        if any(n > 1 for n in q) and dec:
+            seen.add("mixed")
+        if any(1 < n < c for n, c in zip(q, ctx)):
+            seen.add("chunked")
+        if len(dec) > 1:
+            seen.add("decodes")
+        if max(ctx) > threshold >= min(ctx):
+            seen.add("long+short")
+        if dec and max(dec) > threshold >= min(dec):
+            seen.add("long+short decodes")
+    return seen

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.models.test_deepseek import YARN, _engine, _generate, _hf_greedy
-from tests.tiny_models import hf_logits, run_capturing_logits
+from tests.tiny_models import assert_batch_matches_hf, hf_logits, paths_reached, run_batch, run_capturing_logits
 from tokenfab.layers.dsa import SparseLatentAttention
 
 DSA_COMMON = dict(
@@ -91,20 +91,36 @@ def test_batched_chunked_and_prefix_cached_generations(tiny):
     assert chunked.computed_prompt_tokens_total - computed <= len(long) + len(shared) - 2 * 16
 
 
+# Issue 12 part 5: contexts past index_topk (6) batched with short ones, prompts arriving while others
+# decode (mixed prefill + decode steps), chunked prefills (8-token budget), 4-token pages (contexts
+# cross many page boundaries). Per request, every step's token and top log-probs equal transformers'.
+BATCH_PROMPTS = [[5, 17, 42], list(range(30, 43)), [1, 2, 3, 4, 5, 6, 7], [250]]
+BATCH_ARRIVALS = [0, 0, 2, 5]
+ALL_PATHS = {"mixed", "chunked", "decodes", "long+short", "long+short decodes"}
+
+
+def test_batched_long_and_short_contexts_match_transformers(tiny):
+    _, hf, path, _ = tiny
+    engine = _engine(path, max_num_batched_tokens=8)
+    tokens, logprobs, batches = run_batch(engine, BATCH_PROMPTS, 10, BATCH_ARRIVALS)
+    assert paths_reached(batches, hf.config.index_topk) == ALL_PATHS
+    assert_batch_matches_hf(hf, BATCH_PROMPTS, tokens, logprobs)
+
+
 def test_through_triton_kernels(tmp_path, monkeypatch):
-    """The engine on the Triton kernels (interpreter): indexer scores, sparse MLA, MoE; logits equal."""
+    """The engine on the Triton kernels (interpreter): indexer scores, top-k, sparse MLA, MoE; a batch
+    of long and short contexts with a prompt arriving mid-decode equals transformers per request."""
     from tokenfab.kernels._launch import interpreting
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
     hf = save_tiny_dsa("glm_moe_dsa", tmp_path)
-    engine = _engine(tmp_path)
+    engine = _engine(tmp_path, max_num_batched_tokens=8)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    prompt = list(range(30, 43))
-    generated, step_logits = run_capturing_logits(engine, prompt, 3)
-    ref = hf_logits(hf, prompt + generated)
-    for s, logits in enumerate(step_logits):
-        torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
+    prompts, arrivals = BATCH_PROMPTS[:3], BATCH_ARRIVALS[:3]
+    tokens, logprobs, batches = run_batch(engine, prompts, 6, arrivals)
+    assert {"mixed", "long+short decodes"} <= paths_reached(batches, hf.config.index_topk)
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)
 
 
 def test_selection_matters(tiny):

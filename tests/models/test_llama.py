@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
+from tests.tiny_models import (
+    assert_batch_matches_hf,
+    hf_logits,
+    paths_reached,
+    run_batch,
+    run_capturing_logits,
+    save_tiny_model,
+    tiny_config,
+)
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sampling_params import SamplingParams
 
@@ -72,3 +80,14 @@ def test_batched_equals_alone(tiny):
 
     alone = [run([p])[0] for p in prompts]
     assert run(prompts) == alone
+
+
+def test_sliding_window_batched_long_and_short(tmp_path):
+    """Mistral (window 7): contexts past the window batched with shorter ones, a prompt arriving
+    mid-decode, chunked prefills (8-token budget); per request, equal to transformers."""
+    hf = save_tiny_model(tiny_config("mistral", sliding_window=7), tmp_path)
+    engine = LLMEngine(model=str(tmp_path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    prompts = [[5, 17, 42], list(range(30, 45)), [1, 2, 3, 4, 5, 6], [250]]
+    tokens, logprobs, batches = run_batch(engine, prompts, 8, [0, 0, 2, 4])
+    assert {"mixed", "chunked", "long+short decodes"} <= paths_reached(batches, 7)
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)

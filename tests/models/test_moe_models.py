@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from tests.moe_tiny_models import mxfp4_pack, mxfp4_unpack, tiny_moe_config
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model
+from tests.tiny_models import (
+    assert_batch_matches_hf,
+    hf_logits,
+    paths_reached,
+    run_batch,
+    run_capturing_logits,
+    save_tiny_model,
+)
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.layers.moe import FusedMoE
@@ -19,8 +26,9 @@ CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
 
 
-def _engine(path) -> LLMEngine:
-    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+def _engine(path, **kw) -> LLMEngine:
+    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+    return LLMEngine(model=str(path), **{**args, **kw})
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -83,6 +91,22 @@ def test_batched_equals_alone(tiny):
     assert run(prompts) == alone
 
 
+# contexts past the sliding window (7 Mixtral, 4 GPT-OSS) batched with shorter ones, a prompt arriving
+# mid-decode and chunked prefills (8-token budget): per request, equal to transformers
+WINDOW_PROMPTS = [[5, 17, 42], list(range(30, 43)), [1, 2, 3, 4, 5, 6], [250]]
+WINDOW_ARRIVALS = [0, 0, 2, 4]
+
+
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_sliding_window_batched_long_and_short(case, tmp_path):
+    hf = save_tiny_model(tiny_moe_config(case), tmp_path)
+    window = hf.config.sliding_window
+    tokens, logprobs, batches = run_batch(_engine(tmp_path, max_num_batched_tokens=8), WINDOW_PROMPTS, 8,
+                                          WINDOW_ARRIVALS)
+    assert {"mixed", "chunked", "long+short decodes"} <= paths_reached(batches, window)
+    assert_batch_matches_hf(hf, WINDOW_PROMPTS, tokens, logprobs)
+
+
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     """Expert matrices stored as MXFP4 blocks/scales (OpenAI's layout) load to the values they encode."""
     from safetensors.torch import load_file, save_file
@@ -124,10 +148,10 @@ def test_gpt_oss_through_triton_kernels(tmp_path, monkeypatch):
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
     hf = save_tiny_model(tiny_moe_config("gpt_oss"), tmp_path)
-    engine = _engine(tmp_path)
+    engine = _engine(tmp_path, max_num_batched_tokens=8)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    prompt = list(range(30, 52))
-    generated, step_logits = run_capturing_logits(engine, prompt, 3)
-    ref = hf_logits(hf, prompt + generated)
-    for s, logits in enumerate(step_logits):
-        torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
+    # a context past the window (4) decoding beside short ones, prompts arriving mid-decode
+    prompts, arrivals = [WINDOW_PROMPTS[1], WINDOW_PROMPTS[3], WINDOW_PROMPTS[2]], [0, 2, 3]
+    tokens, logprobs, batches = run_batch(engine, prompts, 4, arrivals)
+    assert {"mixed", "long+short decodes"} <= paths_reached(batches, hf.config.sliding_window)
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)
