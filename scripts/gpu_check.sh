@@ -11,10 +11,11 @@
 #                      transformers on the GPU, bf16 and fp32 (scripts/gpu_engine_check.py);
 #                      before any speed is measured
 #   kernel_tests       tests/kernels on CUDA (compiled Triton kernels vs the references)
-#   c_kernels          the native CPU kernels' tests; skipped, with the reason, without a C compiler
 #   kernel_benchmarks  `tokenfab bench kernels` (fractions of the roofline, goals)
 #   mla_benchmarks     MLA / DSA kernels at DeepSeek-V3 / V3.2 sizes
 #   end_to_end         `tokenfab bench engine` (random Qwen3-0.6B shape; graphs vs eager vs transformers)
+#   c_kernels          the native CPU kernels' tests; skipped, with the reason, without a C compiler;
+#                      optional (CI runs them on CPU): neither a failure nor a lack of time fails the verdict
 # then a verdict (pass / fail) and $OUT/gpu_check.log. The whole stays inside GPU_CHECK_BUDGET_S
 # (default 465 s, under the 8 minutes of ARCHITECTURE.md): a section never gets more than the
 # budget has left, and one with under 15 s left is recorded as skipped.
@@ -42,7 +43,8 @@ WARMUP_TESTS="${WARMUP_TESTS:-tests/kernels/test_norm.py tests/kernels/test_rope
 C_KERNEL_TESTS="tests/kernels/test_cpu_native.py tests/kernels/test_cpu_native_checks.py"
 XDIST_N="${XDIST_N:-8}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
-SECTIONS="${GPU_CHECK_SECTIONS:-warmup engine_correctness kernel_tests c_kernels kernel_benchmarks mla_benchmarks end_to_end}"
+SECTIONS="${GPU_CHECK_SECTIONS:-warmup engine_correctness kernel_tests kernel_benchmarks mla_benchmarks end_to_end c_kernels}"
+OPTIONAL_SECTIONS="c_kernels"  # reported, but outside the verdict
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     export TRITON_INTERPRET=0  # compiled kernels
     ON_GPU=1
@@ -56,11 +58,12 @@ REPORT=("$PY" scripts/gpu_report.py)
 
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 wanted() { [[ " $SECTIONS " == *" $1 "* ]]; }
+optional() { [[ " $OPTIONAL_SECTIONS " == *" $1 "* ]] && echo --optional; }
 
 # record_skip NAME REASON [--no-time]: a section that did not run, and why (--no-time: the budget
 # was spent, which leaves the check incomplete and fails the verdict; a skip for a reason does not)
 record_skip() {
-    "${REPORT[@]}" add --out "$OUT" --section "$1" --skipped "$2" ${3:+"$3"}
+    "${REPORT[@]}" add --out "$OUT" --section "$1" --skipped "$2" ${3:+"$3"} $(optional "$1")
     say "section $1 skipped: $2"
 }
 
@@ -70,7 +73,7 @@ run_section() {
     local name=$1 limit=$2
     shift 2
     wanted "$name" || return 0
-    local left=$((BUDGET_S - ($(date +%s) - START) - 5))
+    local left=$((BUDGET_S - ($(date +%s) - START) - 15))  # 15: the kill grace and the report
     if [ "$left" -lt 15 ]; then
         record_skip "$name" "no time left in the ${BUDGET_S} s budget" --no-time
         return 0
@@ -79,10 +82,11 @@ run_section() {
     say "section $name (limit ${limit} s): $*"
     local t0 rc
     t0=$(date +%s)
-    timeout -k 5 "$limit" "$@" >"$WORK/$name.log" 2>&1
+    # SIGINT at the limit: pytest then stops and still writes its junit report; SIGKILL 10 s later
+    timeout -s INT -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1
     rc=$?
     tail -n 25 "$WORK/$name.log" | tee -a "$LOG"
-    "${REPORT[@]}" add --out "$OUT" --section "$name" --rc "$rc" --seconds $(($(date +%s) - t0)) --limit "$limit" \
+    "${REPORT[@]}" add --out "$OUT" --section "$name" --rc "$rc" --seconds $(($(date +%s) - t0)) --limit "$limit" $(optional "$name") \
         --json "$WORK/$name.json" --markdown "$WORK/$name.md" --junit "$WORK/$name.xml" --log "$WORK/$name.log"
     say "section $name rc=$rc$([ "$rc" = 124 ] && echo ' (time limit)')"
 }
@@ -112,11 +116,11 @@ for f in $C_KERNEL_TESTS; do IGNORE_C+=(--ignore="$f"); done
 
 # ------------------------------------------------------------------ warm-up (Triton cache)
 # shellcheck disable=SC2086
-run_section warmup 40 "${PYTEST[@]}" $WARMUP_TESTS ${XDIST[@]+"${XDIST[@]}"} --junitxml="$WORK/warmup.xml"
+run_section warmup 30 "${PYTEST[@]}" $WARMUP_TESTS ${XDIST[@]+"${XDIST[@]}"} --junitxml="$WORK/warmup.xml"
 
 # ------------------------------------------------------------------ engine correctness (first)
 if [ "$ON_GPU" = 1 ]; then
-    run_section engine_correctness 100 "$PY" scripts/gpu_engine_check.py --device cuda \
+    run_section engine_correctness 110 "$PY" scripts/gpu_engine_check.py --device cuda \
         --dtypes bfloat16 float32 --modes graphs eager \
         --json "$WORK/engine_correctness.json" --markdown "$WORK/engine_correctness.md"
 else  # a dry run on CPU: the part that makes sense there
@@ -126,18 +130,8 @@ fi
 
 # ------------------------------------------------------------------ kernel tests
 # shellcheck disable=SC2086
-run_section kernel_tests 110 "${PYTEST[@]}" $KERNEL_TESTS "${IGNORE_C[@]}" ${XDIST[@]+"${XDIST[@]}"} \
+run_section kernel_tests 140 "${PYTEST[@]}" $KERNEL_TESTS "${IGNORE_C[@]}" ${XDIST[@]+"${XDIST[@]}"} \
     --junitxml="$WORK/kernel_tests.xml"
-
-# ------------------------------------------------------------------ native CPU kernels (C compiler)
-if wanted c_kernels; then
-    if [ "$HAVE_CC" = 1 ]; then
-        # shellcheck disable=SC2086
-        run_section c_kernels 60 "${PYTEST[@]}" $C_KERNEL_TESTS --junitxml="$WORK/c_kernels.xml"
-    else
-        record_skip c_kernels "no C compiler (cc, gcc or clang) on this machine: the native CPU kernels cannot be built here"
-    fi
-fi
 
 # ------------------------------------------------------------------ kernel benchmarks
 run_section kernel_benchmarks 70 "$PY" -m tokenfab bench kernels --sweep --budget-s 50 \
@@ -147,13 +141,23 @@ run_section mla_benchmarks 35 "$PY" -m tokenfab.bench.mla --json "$WORK/mla_benc
 
 # ====== BEGIN end-to-end engine benchmark (reserved for the lead) =============================
 # Contract: write "$WORK/end_to_end.json" (any JSON object) and optionally "$WORK/end_to_end.md";
-# run_section embeds them in the report. It runs last and gets what the budget has left (at most 100 s).
+# run_section embeds them in the report. It gets what the budget has left (at most 100 s).
 # CUDA graphs vs eager vs transformers generate: batch-1 decode tok/s, and output tok/s for
 # 256 requests of 128 in / 128 out (the engine's model is built on the device: no weights travel).
 run_section end_to_end 100 "$PY" -m tokenfab bench engine --shape qwen3-0.6b --num-requests 256 --input-len 128 \
     --output-len 128 --decode-tokens 256 --hf-batch-size 64 \
     --json "$WORK/end_to_end.json" --markdown "$WORK/end_to_end.md"
 # ====== END end-to-end engine benchmark =======================================================
+
+# ------------------------------------------------------------------ native CPU kernels (C compiler; last: CI covers them on CPU, optional here)
+if wanted c_kernels; then
+    if [ "$HAVE_CC" = 1 ]; then
+        # shellcheck disable=SC2086
+        run_section c_kernels 60 "${PYTEST[@]}" $C_KERNEL_TESTS --junitxml="$WORK/c_kernels.xml"
+    else
+        record_skip c_kernels "no C compiler (cc, gcc or clang) on this machine: the native CPU kernels cannot be built here"
+    fi
+fi
 
 "${REPORT[@]}" finish --out "$OUT" --elapsed $(($(date +%s) - START)) | tee -a "$LOG"
 say "done: $OUT/gpu_report.json, $OUT/gpu_report.md"

@@ -52,7 +52,8 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 # prompt lengths: one token, inside a block, a block boundary (16), across blocks
 PROMPT_LENS = (1, 7, 16, 33, 70)
 # a divergence is a near tie when ref_logit[ref_token] - ref_logit[our_token] <= abs + rel * |ref top logit|
-TIE_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (0.05, 0.02)}
+# (bf16: both sides round every activation to 8 bits of mantissa, in different places)
+TIE_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (0.1, 0.03)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
