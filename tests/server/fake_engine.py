@@ -182,6 +182,8 @@ class FakeEngine:
                 finish = "stop"
             if finish is None and p.max_tokens is not None and len(seq.out) >= p.max_tokens:
                 finish = "length"
+            if finish is None and len(seq.prompt) + len(seq.out) >= self.max_model_len:
+                finish = "length"
             logprobs = None
             if p.logprobs is not None:
                 top = torch.topk(lp, max(p.logprobs, 1))

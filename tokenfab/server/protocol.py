@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
@@ -49,8 +49,16 @@ def check_text(value: Any) -> None:
             check_text(v)
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's "integer" includes 2.0; strict pydantic would not (and must still refuse "2")."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_surrogates)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
@@ -83,14 +91,14 @@ class ResponseFormat(_Request):
 
 class _SamplingFields(_Request):
     model: Text | None = None
-    n: int = Field(default=1, ge=1, le=128)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    n: Int = Field(default=1, ge=1, le=128)
+    max_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     stop: StopString | list[StopString] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
+    seed: Int | None = Field(default=None, ge=0, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
@@ -101,17 +109,17 @@ class _SamplingFields(_Request):
                               description="an end-user id (accepted for compatibility; not used)")
     response_format: ResponseFormat | None = None
     # Extra sampling fields (vLLM names)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    top_k: Int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    min_tokens: Int = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX,
+    priority: Int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX,
                           description="lower runs first; only with --scheduling-policy priority (else must be 0)")
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
                                         description="vLLM extra: logprobs of the prompt tokens, with k alternatives")
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256,
                                     description="requests with different salts never share prefix-cache blocks")
@@ -123,11 +131,11 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     # 0 is OpenAI's legacy "score the prompt": only with echo (the prompt is returned, nothing generated)
-    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_tokens: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = Field(default=None, description="not supported: must be empty")
-    best_of: int | None = Field(default=None, ge=1, le=128, description="must equal n (no server-side ranking)")
+    best_of: Int | None = Field(default=None, ge=1, le=128, description="must equal n (no server-side ranking)")
 
 
 class ChatMessage(_Request):
@@ -144,9 +152,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Text | None = Field(default=None,

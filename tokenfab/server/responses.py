@@ -154,4 +154,10 @@ def sse_or_json(model: type[BaseModel], what: str) -> dict[int | str, dict[str, 
     """A 200 that is ``model`` as JSON, or (``stream: true``) server-sent events of chunks."""
     return {200: {"model": model, "description": f"{what} (JSON), or with stream=true a text/event-stream of "
                   "`data: {chunk}` lines ending with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+
+
+# OpenAPI 3.1: the schema of a text/event-stream describes one event
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
+                             "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
