@@ -113,7 +113,7 @@ def _hash_uniform_tl(seed, idx):
 
 
 @triton.jit
-def _search_tau(base, vocab, t, m, z, lo, hi, k_eff, p_lim, NUM_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def _search_tau(base, vocab, inv_t, m, inv_z, lo, hi, k_eff, p_lim, NUM_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """The smallest fp32 tau in (lo, hi] (int32 bit patterns of non-negative floats) with
     count(p > tau) < k_eff and mass(p > tau) < p_lim, by a NUM_T-way bisection (each pass over
     the row narrows the interval NUM_T + 1 fold). Invariant: Q(lo) false, Q(hi) true."""
@@ -127,8 +127,8 @@ def _search_tau(base, vocab, t, m, z, lo, hi, k_eff, p_lim, NUM_T: tl.constexpr,
         masses = tl.zeros((NUM_T,), tl.float32)
         for v0 in range(0, vocab, BLOCK_S):
             idx = v0 + so
-            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
-            p = tl.exp(y - m) / z
+            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            p = tl.exp(y - m) * inv_z
             gt = p[None, :] > thr[:, None]
             cnts += tl.sum(gt.to(tl.int32), 1)
             masses += tl.sum(tl.where(gt, p[None, :], 0.0), 1)
@@ -176,6 +176,9 @@ def _sample_kernel(
         tok = best_i
     else:
         seed = tl.load(seed_ptr + row).to(tl.uint32)
+        # reciprocals, so that the passes below multiply: each division in a loop is a call to
+        # a slow-path subroutine, and enough of them need a stack frame on sm_90
+        inv_t = 1.0 / t
         # pass 1: max, normaliser, race winner
         m = float("-inf")
         z = 0.0
@@ -183,7 +186,7 @@ def _sample_kernel(
         win = 0
         for v0 in range(0, vocab, BLOCK_V):
             idx = v0 + offs
-            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
+            y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
             m_new = tl.maximum(m, tl.max(y, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             z = z * tl.exp(m - m_ref) + tl.sum(tl.exp(y - m_ref), 0)
@@ -195,6 +198,7 @@ def _sample_kernel(
             win = tl.where(up, ci, win)
             win_key = tl.where(up, ck, win_key)
         tok = win
+        inv_z = 1.0 / z
 
         top_k = tl.load(topk_ptr + row).to(tl.int32)
         top_p = tl.load(topp_ptr + row).to(tl.float32)
@@ -202,11 +206,11 @@ def _sample_kernel(
         k_eff = tl.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
         k_eff = tl.where(top_p <= 0.0, 1, k_eff)  # top_p 0 keeps only the most likely tokens
         p_lim = tl.where((top_p < 1.0) & (top_p > 0.0), top_p, 2.0)  # 2.0: never binds
-        p_max = tl.exp(m - m) / z
+        p_max = tl.exp(m - m) * inv_z
         tau_min = tl.minimum(tl.maximum(min_p, 0.0) * p_max, p_max)
         if (k_eff < vocab) | (p_lim < 2.0) | (tau_min > 0.0):
-            y_w = tl.load(base + win).to(tl.float32) / t
-            p_w = tl.exp(y_w - m) / z
+            y_w = tl.load(base + win).to(tl.float32) * inv_t
+            p_w = tl.exp(y_w - m) * inv_z
             w_bits = p_w.to(tl.int32, bitcast=True)
             # pass 2: the count and mass of the tokens above the winner, and the mass from it up
             cnt = 0
@@ -214,45 +218,49 @@ def _sample_kernel(
             mass_ge = 0.0
             for v0 in range(0, vocab, BLOCK_V):
                 idx = v0 + offs
-                y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
-                p = tl.exp(y - m) / z
+                y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                p = tl.exp(y - m) * inv_z
                 gt = p > p_w
                 cnt += tl.sum(gt.to(tl.int32), 0)
                 mass += tl.sum(tl.where(gt, p, 0.0), 0)
                 mass_ge += tl.sum(tl.where(p >= p_w, p, 0.0), 0)
             # top-p is relative to the top-k set's mass S_k (1 without top-k). If w is in the top
-            # k, S_k >= mass_ge, which may already decide that w passes both; otherwise find S_k.
-            if (k_eff < vocab) & (p_lim < 2.0) & ((cnt >= k_eff) | (mass >= p_lim * mass_ge)):
-                in_k = cnt < k_eff
-                lo_k = tl.where(in_k, -1, w_bits)
-                hi_k = tl.where(in_k, w_bits, p_max.to(tl.int32, bitcast=True))
-                tau_k = _search_tau(base, vocab, t, m, z, lo_k, hi_k, k_eff, 2.0, NUM_T, BLOCK_S)
-                tau_k = tau_k.to(tl.float32, bitcast=True)
-                s_k = 0.0
-                for v0 in range(0, vocab, BLOCK_V):
-                    idx = v0 + offs
-                    y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
-                    p = tl.exp(y - m) / z
-                    s_k += tl.sum(tl.where(p >= tau_k, p, 0.0), 0)
-                p_lim = p_lim * s_k
-            q_w = (cnt < k_eff) & (mass < p_lim)
-            if q_w & (p_w < tau_min):
-                tau = tau_min
-            else:
-                tau = p_w
-            if q_w == 0:
-                lo = w_bits
-                hi = p_max.to(tl.int32, bitcast=True)
-                hi = _search_tau(base, vocab, t, m, z, lo, hi, k_eff, p_lim, NUM_T, BLOCK_S)
-                tau = tl.maximum(hi.to(tl.float32, bitcast=True), tau_min)
+            # k, S_k >= mass_ge, which may already decide that w passes both; otherwise phase 0
+            # finds the k-th largest probability and sums S_k. Phase 1 finds the kept threshold
+            # when w fails (when it passes, its search interval is empty). One call site for both
+            # searches keeps the kernel small.
+            in_k = cnt < k_eff
+            need_k = (k_eff < vocab) & (p_lim < 2.0) & ((cnt >= k_eff) | (mass >= p_lim * mass_ge))
+            p_max_bits = p_max.to(tl.int32, bitcast=True)
+            tau = p_w
+            phase = tl.where(need_k, 0, 1)
+            while phase < 2:
+                first = phase == 0
+                q_w = (cnt < k_eff) & (mass < p_lim)
+                lo = tl.where(first, tl.where(in_k, -1, w_bits), tl.where(q_w, w_bits - 1, w_bits))
+                hi = tl.where((first & in_k) | ((phase == 1) & q_w), w_bits, p_max_bits)
+                lim = tl.where(first, 2.0, p_lim)
+                found = _search_tau(base, vocab, inv_t, m, inv_z, lo, hi, k_eff, lim, NUM_T, BLOCK_S)
+                found = found.to(tl.float32, bitcast=True)
+                if first:
+                    s_k = 0.0
+                    for v0 in range(0, vocab, BLOCK_V):
+                        idx = v0 + offs
+                        y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                        p = tl.exp(y - m) * inv_z
+                        s_k += tl.sum(tl.where(p >= found, p, 0.0), 0)
+                    p_lim = p_lim * s_k
+                else:
+                    tau = tl.maximum(found, tau_min)
+                phase += 1
             if tau > p_w:
                 # the winner was filtered out: race again over the kept tokens {p >= tau}
                 win_key = float("-inf")
                 win = 0
                 for v0 in range(0, vocab, BLOCK_V):
                     idx = v0 + offs
-                    y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) / t
-                    p = tl.exp(y - m) / z
+                    y = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32) * inv_t
+                    p = tl.exp(y - m) * inv_z
                     key = y - tl.log(-tl.log(_hash_uniform_tl(seed, idx)))
                     key = tl.where(p >= tau, key, float("-inf"))
                     ck = tl.max(key, 0)
