@@ -218,3 +218,13 @@ def test_hub_cache_snapshot_links_load(tmp_path, tiny_llama):
         f.symlink_to(os.path.relpath(blob, snap))
     loaded = _load(snap)
     assert loaded.model is not None
+
+
+def test_mistral_consolidated_copy_is_not_read(tmp_path, tiny_llama):
+    """Mistral repositories hold consolidated.safetensors (their native names) beside the HF file:
+    it is the same model again, not stray tensors."""
+    config, tensors = tiny_llama
+    path = _write(tmp_path / "m", config, tensors)
+    save_file({"layers.0.attention.wq.weight": tensors["model.layers.0.self_attn.q_proj.weight"]},
+              str(path / "consolidated.safetensors"))
+    assert _load(path).model is not None

@@ -148,5 +148,5 @@ def is_plain_float(tensor: torch.Tensor) -> bool:
 def unsupported_tensor_problem(name: str, tensor: torch.Tensor, siblings: Collection[str] = ()) -> str:
     """The error text for a tensor no parameter can take as is."""
     dtype = str(tensor.dtype).removeprefix("torch.")
-    return (f"unsupported quantized checkpoint: tensor {name} is stored as {dtype}, a "
-            f"{format_of_tensor(name, tensor, siblings)} checkpoint, which tokenfab cannot load yet")
+    return (f"unsupported quantized checkpoint: tensor {name} is stored as {dtype}; format: "
+            f"{format_of_tensor(name, tensor, siblings)}, which tokenfab cannot load yet")

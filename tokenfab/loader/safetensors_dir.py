@@ -73,6 +73,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
                 raise ModelLoadError(f, "shard listed in model.safetensors.index.json is missing")
         return files
     files = sorted(model_dir.glob("*.safetensors"))
+    # Mistral's repositories ship their native-format copy (consolidated.safetensors, other tensor
+    # names) beside the Hugging Face files: the same weights twice, of which we read the HF ones.
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    files = hf_files or files
     if not files:
         raise ModelLoadError(model_dir, "no *.safetensors weight files in the model directory")
     for f in files:
