@@ -32,6 +32,15 @@ def test_check_peer_dtype():
     with pytest.raises(RuntimeError, match="float32"):
         throughput.check_peer_dtype(model, torch.bfloat16)
 
+    class PackedLinear(torch.nn.Module):  # a quantized layer: packed bytes and its own kernel
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("qweight", torch.zeros(4, dtype=torch.uint8))
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+    with pytest.raises(RuntimeError, match="PackedLinear"):
+        throughput.check_peer_dtype(torch.nn.Sequential(torch.nn.Linear(2, 2), PackedLinear()), torch.float32)
+
 
 def test_summarize_conservative_ratios():
     def rnd(ours, *peers):

@@ -134,11 +134,19 @@ def run_tokenfab(args: argparse.Namespace, allocator: str = "tuned") -> tuple[di
 
 
 def check_peer_dtype(model, dtype) -> list[str]:
-    """The peer really holds ``dtype`` parameters (transformers may keep some in float32); raises
-    otherwise. Returns the dtypes seen."""
+    """The peer really computes in ``dtype``: every parameter is of it (transformers may keep some
+    in float32) and no linear layer is a quantized module (a GGUF checkpoint could be loaded with
+    packed weights and its own kernels). Raises otherwise; returns the parameter dtypes seen."""
+    import torch
+
     seen = sorted({str(p.dtype) for p in model.parameters()})
     if seen != [str(dtype)]:
         raise RuntimeError(f"transformers loaded parameters of dtype {seen}, not the {dtype} our engine ran in")
+    odd = sorted({type(m).__name__ for m in model.modules()
+                  if "linear" in type(m).__name__.lower() and not isinstance(m, torch.nn.Linear)})
+    if odd:
+        raise RuntimeError(f"transformers loaded linear layers of another kind ({', '.join(odd)}): not a dense "
+                           f"{dtype} model")
     return seen
 
 
