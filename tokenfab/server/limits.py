@@ -15,6 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenfab.server.errors import error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# A client that sends its whole body before reading the answer (httpx, requests) sees the 413 only
+# if the server reads the body; it is read and dropped up to this many bytes, past that the
+# connection is closed under it.
+DRAIN_LIMIT_BYTES = 64 << 20
 
 
 class BodySizeLimitMiddleware:
@@ -23,7 +27,14 @@ class BodySizeLimitMiddleware:
         self.max_bytes = max_bytes
         self._on_reject = on_reject
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, detail: str) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, detail: str, received: int,
+                      more_body: bool) -> None:
+        while more_body and received <= DRAIN_LIMIT_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client is gone: no one to answer
+            received += len(message.get("body", b""))
+            more_body = message.get("more_body", False)
         if self._on_reject:
             self._on_reject(413)
         resp = error_response(413, f"The request body is too large ({detail}); this server accepts at most "
@@ -42,7 +53,8 @@ class BodySizeLimitMiddleware:
             except ValueError:
                 declared = -1
             if declared > self.max_bytes:
-                await self._reject(scope, receive, send, f"Content-Length {declared}")
+                await self._reject(scope, receive, send, f"Content-Length {declared}", 0,
+                                   more_body=declared <= DRAIN_LIMIT_BYTES)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -54,7 +66,8 @@ class BodySizeLimitMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
-                await self._reject(scope, receive, send, f"more than {self.max_bytes} bytes received")
+                await self._reject(scope, receive, send, f"more than {self.max_bytes} bytes received", size,
+                                   more_body=message.get("more_body", False))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
