@@ -296,10 +296,11 @@ class AsyncEngine:
             if self.max_waiting is not None:
                 stats_waiting = int(getattr(self._stats, "num_waiting", 0) or 0) if self._stats else 0
                 waiting = self._pending_count + self._in_transit + stats_waiting
-                # A request bigger than the whole limit is still taken when nothing waits.
-                if waiting > 0 and waiting + total > self.max_waiting:
+                # every choice of every prompt counts
+                if waiting + total > self.max_waiting:
                     raise QueueFullError(
-                        f"too many requests waiting ({waiting}, limit {self.max_waiting}); retry later"
+                        f"too many requests waiting: {waiting} choices queued and this request adds {total} "
+                        f"(n x prompts), limit {self.max_waiting}; retry later"
                     )
             self._pending_adds.append((stream, subs))
             self._pending_count += total
