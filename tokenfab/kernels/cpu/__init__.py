@@ -7,6 +7,11 @@ mul, RoPE, the greedy argmax, the KV store), which the reference runs as several
 temporaries.
 Each is tested against its reference in ``tests/kernels/test_cpu_native.py``.
 
+The wrappers check their index tensors and shapes before a kernel runs (``checks.py``: a block
+id, slot or position outside its cache is a ValueError, not a stray read or write), and the
+kernels that allocate return a status (``common.h``: TF_OK / TF_ENOMEM) that the wrapper raises
+as MemoryError (``tests/kernels/test_cpu_native_checks.py``).
+
 The library is built once per (source, compiler, CPU) into ``$TOKENFAB_CACHE_DIR`` (default
 ``~/.cache/tokenfab``) and loaded with ctypes; it links the same ``libgomp.so.1`` that torch
 loaded, so its OpenMP threads are torch's threads. Without a compiler, or with
