@@ -7,10 +7,10 @@ bytes), so equal blocks at different prefixes never match, and nobody can comput
 would serve one user another user's KV). A request's ``cache_salt`` is mixed into the first
 block's digest only: requests with different salts never share a block, equal salts do.
 
-Every block has a reference count; a block whose count
-drops to zero goes to the free queue but keeps its hash, so a later request with the same
-prefix can take it back (a prefix-cache hit) until its memory is needed: allocation takes
-the least recently freed block first (LRU) and only then forgets its hash.
+Every block has a reference count; a block whose count drops to zero goes to the free queue
+but keeps its digest, so a later request with the same prefix can take it back (a prefix-cache
+hit) until its memory is needed: allocation takes the least recently freed block first (LRU)
+and only then forgets its digest.
 """
 
 from __future__ import annotations
