@@ -195,22 +195,49 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
-def compile_all(only: str | None = None) -> list[dict]:
-    """Compile every kernel launch of every workload; returns one record per launch."""
+def kernel_modules() -> list:
+    """The modules whose Triton kernels this script compiles (the MLA/DSA and MoE ones have their own)."""
+    from tokenfab.kernels import (
+        activation,
+        attention_decode,
+        attention_prefill,
+        kv_cache,
+        norm,
+        paged,
+        rope,
+        sampling,
+    )
+
+    return [activation, attention_decode, attention_prefill, kv_cache, norm, paged, rope, sampling]
+
+
+def patch_kernels(modules: list, results: list[dict], label: Callable[[], str]) -> list[tuple]:
+    """Replace every ``*_kernel`` JIT function (defined or imported) in ``modules`` by a compile-only
+    launcher and their ``check_device`` by a no-op; returns what to restore (``restore``)."""
     from triton.runtime.jit import JITFunction
 
-    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
-
-    results: list[dict] = []
-    current = {"label": ""}
     saved = []
-    for mod in (activation, attention, kv_cache, norm, rope, sampling):
-        saved.append((mod, "check_device", mod.check_device))
-        mod.check_device = lambda t: None
+    for mod in modules:
+        if hasattr(mod, "check_device"):
+            saved.append((mod, "check_device", mod.check_device))
+            mod.check_device = lambda t: None
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 saved.append((mod, name, obj))
-                setattr(mod, name, _Compiler(obj, results, lambda: current["label"]))
+                setattr(mod, name, _Compiler(obj, results, label))
+    return saved
+
+
+def restore(saved: list[tuple]) -> None:
+    for mod, name, obj in saved:
+        setattr(mod, name, obj)
+
+
+def compile_all(only: str | None = None) -> list[dict]:
+    """Compile every kernel launch of every workload; returns one record per launch."""
+    results: list[dict] = []
+    current = {"label": ""}
+    saved = patch_kernels(kernel_modules(), results, lambda: current["label"])
     try:
         for label, fn in _workloads():
             if only and only not in label:
@@ -218,8 +245,7 @@ def compile_all(only: str | None = None) -> list[dict]:
             current["label"] = label
             fn()
     finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
+        restore(saved)
     return results
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import _Compiler, run_cli  # noqa: E402
+from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -92,20 +92,11 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 
 
 def compile_all(only: str | None = None) -> list[dict]:
-    from triton.runtime.jit import JITFunction
-
-    from tokenfab.kernels import dsa, mla
+    from tokenfab.kernels import dsa, mla, paged
 
     results: list[dict] = []
     current = {"label": ""}
-    saved = []
-    for mod in (mla, dsa):
-        saved.append((mod, "check_device", mod.check_device))
-        mod.check_device = lambda t: None
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-                saved.append((mod, name, obj))
-                setattr(mod, name, _Compiler(obj, results, lambda: current["label"]))
+    saved = patch_kernels([mla, dsa, paged], results, lambda: current["label"])
     try:
         for label, fn in _workloads():
             if only and only not in label:
@@ -113,8 +104,7 @@ def compile_all(only: str | None = None) -> list[dict]:
             current["label"] = label
             fn()
     finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
+        restore(saved)
     return results
 
 

@@ -35,8 +35,8 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.attention import LOG2E, _decode_reduce_kernel, _gather_kv
-from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS, _flat_cache, mla_config
+from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS, mla_config
+from tokenfab.kernels.paged import LOG2E, check_num_splits, decode_reduce_kernel, flat_cache, gather_kv
 
 # ============================================================================ indexer
 
@@ -70,8 +70,8 @@ def dsa_index_scores_ref(
     t, hi, di = q.shape
     if t == 0 or context_lens.shape[0] == 0:
         return q.new_empty(t, max_context_len, dtype=torch.float32)
-    cache = _flat_cache(kv_cache)[..., index_offset : index_offset + di]
-    keys = _gather_kv(cache, block_tables, max_context_len).float()  # [B, L, di]
+    cache = flat_cache(kv_cache)[..., index_offset : index_offset + di]
+    keys = gather_kv(cache, block_tables, max_context_len).float()  # [B, L, di]
     seq, pos = _token_layout(cu_seqlens_q, context_lens, t)
     scores = torch.empty(t, max_context_len, dtype=torch.float32, device=q.device)
     # tokens in chunks, so the [chunk, Hi, L] products stay bounded on long prefills
@@ -183,7 +183,7 @@ def _dsa_index_scores_triton(
     if t == 0 or context_lens.shape[0] == 0 or max_context_len == 0:
         return out
     check_device(q)
-    cache = _flat_cache(kv_cache)
+    cache = flat_cache(kv_cache)
     if cache.shape[-1] < index_offset + di:
         raise ValueError(f"cache rows of {cache.shape[-1]} values hold no index key at {index_offset}..+{di}")
     if q.stride(-1) != 1:
@@ -332,7 +332,7 @@ def dsa_sparse_attention_ref(
     r = kv_lora_rank
     if t == 0:
         return q.new_empty(t, h, r)
-    cache = _flat_cache(kv_cache)
+    cache = flat_cache(kv_cache)
     bs = cache.shape[1]
     seq, _ = _token_layout(cu_seqlens_q, context_lens, t)
     valid = indices >= 0
@@ -448,7 +448,7 @@ def _dsa_sparse_attention_triton(
     if t == 0:
         return out
     check_device(q)
-    cache = _flat_cache(kv_cache)
+    cache = flat_cache(kv_cache)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if indices.stride(-1) != 1:
@@ -456,8 +456,7 @@ def _dsa_sparse_attention_triton(
     cfg = sparse_config(t, h, r, d - r, num_sms(q.device), cache.dtype)
     cfg.update(config or {})
     if num_splits is not None:
-        if num_splits < 1 or num_splits & (num_splits - 1):
-            raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+        check_num_splits(num_splits)
         cfg["NUM_SPLITS"] = num_splits
     s = cfg["NUM_SPLITS"]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -476,7 +475,7 @@ def _dsa_sparse_attention_triton(
         DOT_PREC=dot_precision(cache.dtype), **cfg,
     )
     if s > 1:
-        _decode_reduce_kernel[(t, h)](
+        decode_reduce_kernel[(t, h)](
             part_o, part_ml, q, out, h, r, out.stride(0), out.stride(1),
             NUM_SPLITS=s, BLOCK_DV=cfg["BLOCK_R"], HAS_SINKS=False, num_warps=4,
         )

@@ -34,19 +34,14 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.attention import LOG2E, MAX_DECODE_SPLITS, _decode_reduce_kernel, _gather_kv
-
-
-def _flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, 1, D] (the runner's layout) or [num_blocks, block_size, D] -> the latter."""
-    if kv_cache.dim() == 4:
-        if kv_cache.shape[2] != 1:
-            raise ValueError(f"MLA cache has one head per token, got shape {tuple(kv_cache.shape)}")
-        return kv_cache[:, :, 0]
-    if kv_cache.dim() != 3:
-        raise ValueError(f"MLA cache must be [blocks, block_size, (1,) D], got {tuple(kv_cache.shape)}")
-    return kv_cache
-
+from tokenfab.kernels.paged import (
+    LOG2E,
+    MAX_DECODE_SPLITS,
+    check_num_splits,
+    decode_reduce_kernel,
+    flat_cache,
+    gather_kv,
+)
 
 # The references process long prefills in query chunks of about this many score elements (fp32).
 REF_CHUNK_ELEMENTS = 1 << 26
@@ -74,8 +69,8 @@ def mla_attention_ref(
     r = kv_lora_rank
     if t == 0 or b == 0:
         return q.new_empty(t, h, r)
-    cache = _flat_cache(kv_cache)
-    c = _gather_kv(cache, block_tables, max_context_len)[..., :d].float()  # [B, L, D]
+    cache = flat_cache(kv_cache)
+    c = gather_kv(cache, block_tables, max_context_len)[..., :d].float()  # [B, L, D]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
     dev = q.device
@@ -251,7 +246,7 @@ def _mla_attention_triton(
     out = q.new_empty(t, h, r)
     if t == 0 or nseq == 0:
         return out
-    cache = _flat_cache(kv_cache)
+    cache = flat_cache(kv_cache)
     if d <= r:
         raise ValueError(f"q has {d} features per head, not kv_lora_rank {r} + a rope part")
     if cache.shape[-1] < d:
@@ -265,8 +260,7 @@ def _mla_attention_triton(
     cfg = mla_config(t, h, r, d - r, num_sms(q.device), cache.dtype, decode_only)
     cfg.update(config or {})
     if num_splits is not None:
-        if num_splits < 1 or num_splits & (num_splits - 1):
-            raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+        check_num_splits(num_splits)
         cfg["NUM_SPLITS"] = num_splits
     s = cfg["NUM_SPLITS"]
     if decode_only:
@@ -290,7 +284,7 @@ def _mla_attention_triton(
         DECODE_ONLY=decode_only, DOT_PREC=dot_precision(cache.dtype), **cfg,
     )
     if s > 1:
-        _decode_reduce_kernel[(t, h)](
+        decode_reduce_kernel[(t, h)](
             part_o, part_ml, q, out, h, r, out.stride(0), out.stride(1),
             NUM_SPLITS=s, BLOCK_DV=cfg["BLOCK_R"], HAS_SINKS=False, num_warps=4,
         )
@@ -301,7 +295,7 @@ def store_latent_ref(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.T
                      slot_mapping: torch.Tensor) -> None:
     """Write row ``[latent (r) ; rest (n)]`` of token t to cache slot ``slot_mapping[t]`` (-1: skipped);
     cache values past r + n (e.g. another layer kind's index key) are left alone. In place."""
-    cache = _flat_cache(kv_cache)
+    cache = flat_cache(kv_cache)
     nb, bs, width = cache.shape
     latent, rest = latent.reshape(latent.shape[0], -1), rest.reshape(rest.shape[0], -1)
     r, n = latent.shape[-1], rest.shape[-1]
@@ -320,7 +314,7 @@ def _store_latent_triton(latent: torch.Tensor, rest: torch.Tensor, kv_cache: tor
     t = latent.shape[0]
     latent, rest = latent.reshape(t, -1), rest.reshape(t, -1)
     r, n = latent.shape[-1], rest.shape[-1]
-    cache = _flat_cache(kv_cache).unsqueeze(2)  # [blocks, block_size, 1, width]
+    cache = flat_cache(kv_cache).unsqueeze(2)  # [blocks, block_size, 1, width]
     _store_kv_triton(latent.reshape(t, 1, r), rest.reshape(t, 1, n), cache[..., :r], cache[..., r : r + n],
                      slot_mapping)
 

@@ -29,8 +29,8 @@ from torch import nn
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels import paged_attention
 from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.attention import _gather_kv
 from tokenfab.kernels.mla import mla_attention, mla_attention_ref, store_latent, store_latent_ref
+from tokenfab.kernels.paged import gather_kv
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import RotaryEmbedding
@@ -119,7 +119,7 @@ class MLAAttention(nn.Module):
         nope, rope, dv = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         b, bs = batch.num_seqs, self.EXPAND_BLOCK
         n = -(-batch.max_context_len // bs) * bs
-        rows = _gather_kv(cache[:, :, 0], batch.block_tables, batch.max_context_len)  # [B, L, width]
+        rows = gather_kv(cache[:, :, 0], batch.block_tables, batch.max_context_len)  # [B, L, width]
         kv = F.linear(rows[..., :r], kv_b_weight).view(b, -1, h, nope + dv)
         k = torch.cat((kv[..., :nope], rows[:, :, None, r : r + rope].expand(-1, -1, h, -1)), dim=-1)
         pad = n - batch.max_context_len

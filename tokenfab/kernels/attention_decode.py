@@ -1,0 +1,217 @@
+"""Paged decode attention (one query per sequence), Triton: split-KV ("flash decoding").
+
+Program (sequence, kv head, split): the kv group's query heads (a 16-row tile) over one share of
+the sequence's keys, online softmax; a second kernel (``paged.decode_reduce_kernel``) merges the
+splits. The contract is ``attention_ref.paged_decode_attention_ref``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import dot_precision, next_pow2, num_sms
+import triton
+import triton.language as tl
+# isort: on
+
+from tokenfab.kernels.paged import (
+    LOG2E,
+    MAX_DECODE_SPLITS,
+    check_num_splits,
+    check_paged,
+    decode_reduce_kernel,
+    softcap_log2,
+)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, sink_ptr,
+    out_ptr, part_o_ptr, part_ml_ptr,
+    scale_log2, softcap, window, group, head_dim, head_dim_v, block_size: tl.constexpr,
+    sqb, sqh, skb, skt, skh, svb, svt, svh, sbt, sob, soh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Program (sequence, kv head, split): the group's query heads against one share of the keys.
+
+    The share is read from context_lens on the device, so the grid depends only on the batch
+    size, the kv heads and NUM_SPLITS (CUDA-graph safe). With NUM_SPLITS == 1 the program
+    finishes the softmax itself; otherwise it writes (acc, max, sum) for the reduce kernel.
+    D_CHUNK < BLOCK_D (fp32 operands): q.k is summed over head-dim chunks, as in prefill.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    ctx = tl.load(ctx_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    per = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + sp * per
+    end = tl.minimum(start + per, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * group + g
+    g_ok = g < group
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_rows = q_ptr + b64 * sqb + heads.to(tl.int64) * sqh
+    if D_CHUNK == BLOCK_D:
+        q = tl.load(q_rows[:, None] + d[None, :], mask=g_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+    else:
+        q = 0.0
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    if HAS_SINKS and NUM_SPLITS == 1:
+        m_i = tl.load(sink_ptr + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i += 1.0
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), tl.float32)
+    k_base = kc_ptr + kvh.to(tl.int64) * skh
+    v_base = vc_ptr + kvh.to(tl.int64) * svh
+    bt_row = bt_ptr + b64 * sbt
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        j_ok = j < end
+        page = tl.load(bt_row + j // block_size, mask=j_ok, other=0).to(tl.int64)
+        off = (j % block_size).to(tl.int64)
+        k_rows = k_base + page * skb + off * skt
+        if D_CHUNK == BLOCK_D:
+            k = tl.load(k_rows[:, None] + d[None, :], mask=j_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        else:
+            s = tl.zeros((BLOCK_G, BLOCK_N), tl.float32)
+            for dc in tl.static_range(0, BLOCK_D, D_CHUNK):
+                dd = dc + tl.arange(0, D_CHUNK)
+                qd = tl.load(q_rows[:, None] + dd[None, :], mask=g_ok[:, None] & (dd < head_dim)[None, :],
+                             other=0.0)
+                kd = tl.load(k_rows[:, None] + dd[None, :], mask=j_ok[:, None] & (dd < head_dim)[None, :],
+                             other=0.0)
+                s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
+        s = softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
+        s = tl.where(j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + (page * svb + off * svt)[:, None] + dv[None, :],
+            mask=j_ok[:, None] & (dv < head_dim_v)[None, :], other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + b64 * sob + heads.to(tl.int64)[:, None] * soh + dv[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & (dv < head_dim_v)[None, :],
+        )
+    else:
+        # partials: o [B, Hq, S, Dv] and (max, sum) [B, Hq, S, 2], contiguous
+        n_q_heads = tl.num_programs(1) * group
+        row = (b64 * n_q_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        tl.store(part_o_ptr + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=g_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_ok)
+
+
+
+
+def decode_config(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int,
+                  num_sms: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Launch configuration of paged decode attention (also used by the compile test).
+
+    The number of splits depends only on the batch size, the kv heads and the device, never
+    on the context lengths, so one CUDA graph per batch size serves every step.
+    """
+    group = n_q_heads // n_kv_heads
+    block_d = max(16, next_pow2(head_dim))
+    block_dv = max(16, next_pow2(head_dim_v))
+    splits = 1
+    while batch * n_kv_heads * splits < 4 * num_sms and splits < MAX_DECODE_SPLITS:
+        splits *= 2
+    return dict(
+        NUM_SPLITS=splits,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_N=64 if max(block_d, block_dv) <= 128 else 32,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        D_CHUNK=min(32, block_d) if dtype == torch.float32 else block_d,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+
+def _paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, Dv]; ``max_context_len`` is not needed (read on the device).
+
+    ``num_splits`` (a power of two) overrides the configured split count (tests use it to
+    exercise the split/reduce paths cheaply in the interpreter); ``config`` overrides entries
+    of ``decode_config`` (the kernel benchmark's sweep).
+    """
+    b, hq, d = q.shape
+    dv = v_cache.shape[-1]
+    out = q.new_empty(b, hq, dv)
+    if b == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    check_paged(q, k_cache, v_cache)
+    hkv = k_cache.shape[2]
+    cfg = decode_config(b, hq, hkv, d, dv, num_sms(q.device), k_cache.dtype)
+    cfg.update(config or {})
+    if num_splits is not None:
+        check_num_splits(num_splits)
+        cfg["NUM_SPLITS"] = num_splits
+    s = cfg["NUM_SPLITS"]
+    if s > 1:
+        part_o = torch.empty(b, hq, s, cfg["BLOCK_DV"], dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, hq, s, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = out
+    sink_arg = sinks if sinks is not None else q
+    _decode_split_kernel[(b, hkv, s)](
+        q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, part_o, part_ml,
+        scale * LOG2E, float(softcap), int(sliding_window), hq // hkv, d, dv, k_cache.shape[1],
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HAS_SOFTCAP=softcap > 0.0, HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window > 0,
+        DOT_PREC=dot_precision(k_cache.dtype), **cfg,
+    )
+    if s > 1:
+        decode_reduce_kernel[(b, hq)](
+            part_o, part_ml, sink_arg, out, hq, dv, out.stride(0), out.stride(1),
+            NUM_SPLITS=s, BLOCK_DV=cfg["BLOCK_DV"], HAS_SINKS=sinks is not None, num_warps=4,
+        )
+    return out
+

@@ -1,0 +1,109 @@
+"""Helpers shared by the kernels that read the paged KV cache (standard attention, MLA, DSA).
+
+A paged cache is ``[num_blocks, block_size, Hkv, D]`` (MLA/DSA: one "head" per token, or the
+``[num_blocks, block_size, D]`` view ``flat_cache`` returns); sequence ``b`` owns the pages
+``block_tables[b]``, so its key ``j`` lives at page ``block_tables[b, j // block_size]``, row
+``j % block_size``.
+
+- ``gather_kv``: the references' page gather into one padded ``[B, L, ...]`` block.
+- ``decode_reduce_kernel``: merges the partial softmaxes of a split-KV (flash-decoding) kernel;
+  the decode attention, MLA and sparse-MLA kernels write ``part_o [T, H, S, BLOCK_DV]`` (fp32,
+  unnormalised) and ``part_ml [T, H, S, 2]`` (running max in log2 units, sum) in this layout.
+- ``softcap_log2``, ``check_paged``: the logit transform and the argument checks of the paged
+  attention kernels (decode and prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device
+import triton
+import triton.language as tl
+# isort: on
+
+LOG2E = 1.4426950408889634
+#: The most KV splits a split-KV kernel uses (the reduce kernel merges a power of two of them).
+MAX_DECODE_SPLITS = 32
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    """[B, max_context_len, Hkv, D] gathered from the pages of each sequence."""
+    bs = cache.shape[1]
+    nblk = (max_context_len + bs - 1) // bs
+    b = block_tables.shape[0]
+    # index_select on the flat block index is several times faster on CPU than advanced indexing
+    pages = cache.index_select(0, block_tables[:, :nblk].reshape(-1).long())  # [B * nblk, bs, Hkv, D]
+    return pages.view(b, nblk * bs, *cache.shape[2:])[:, :max_context_len]
+
+
+def flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, 1, D] (the runner's layout) or [num_blocks, block_size, D] -> the latter."""
+    if kv_cache.dim() == 4:
+        if kv_cache.shape[2] != 1:
+            raise ValueError(f"MLA cache has one head per token, got shape {tuple(kv_cache.shape)}")
+        return kv_cache[:, :, 0]
+    if kv_cache.dim() != 3:
+        raise ValueError(f"MLA cache must be [blocks, block_size, (1,) D], got {tuple(kv_cache.shape)}")
+    return kv_cache
+
+
+
+def check_num_splits(num_splits: int) -> None:
+    """A split count override (tests, benchmarks) must be a power of two (the reduce's arange)."""
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+
+
+def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    check_device(q)
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k_cache.shape[2]} kv heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the head dim of q and the caches must be contiguous")
+
+
+@triton.jit
+def softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k products -> logits in log2 units (scale, optional softcap * tanh(x / softcap))."""
+    if HAS_SOFTCAP:
+        x = s * (scale_log2 / 1.4426950408889634) / softcap
+        # tanh(x) = 1 - 2 / (exp(2x) + 1); exp(2x) = exp2(2x log2 e), clamped against overflow
+        e = tl.exp2(tl.minimum(x * 2.8853900817779268, 126.0))
+        return (softcap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))
+    else:
+        return s * scale_log2
+
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_o_ptr, part_ml_ptr, sink_ptr, out_ptr,
+    n_q_heads, head_dim_v, sob, soh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """Program (sequence, query head): merge the splits' partial softmaxes (and the sink)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    dv = tl.arange(0, BLOCK_DV)
+    row = (b * n_q_heads + h) * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    m_all = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_all)
+    total = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_all)
+    o = tl.load(part_o_ptr + row[:, None] * BLOCK_DV + dv[None, :])
+    o = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * sob + h * soh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < head_dim_v)
+
