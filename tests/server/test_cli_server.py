@@ -70,7 +70,8 @@ class ServeProcess:
 @pytest.fixture(scope="module")
 def cli_server():
     server = ServeProcess("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "512",
-                          "--no-access-log", "--drain-timeout", "60")
+                          "--no-access-log", "--drain-timeout", "60", "--max-request-bytes", "65536",
+                          "--max-prompts-per-request", "2")
     yield server
     server.stop()
 
@@ -107,6 +108,24 @@ def test_api_key_required(cli_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+
+
+def test_request_limits_flags(cli_server):
+    url, headers = cli_server.url, _auth()
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 70_000, "max_tokens": 1}, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 1}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"  # fcfs: priority refused
+    r = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={
+        "messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    # two prompts are two choices: over --max-waiting 1 even with nothing else waiting
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1}, headers=headers)
+    assert r.status_code == 429, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a"], "max_tokens": 1}, headers=headers)
+    assert r.status_code == 200, r.text
 
 
 def _first_token(stream_iter) -> None:

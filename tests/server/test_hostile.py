@@ -37,8 +37,8 @@ BAD_COMPLETIONS = [
     ("logit_bias key not a token id", {**HI, "logit_bias": {"abc": 1}}, "logit_bias.abc"),
     ("logit_bias key outside the vocabulary", {**HI, "logit_bias": {str(VOCAB + 1): 1}}, "logit_bias"),
     ("unsupported field", {**HI, "tools": [{"type": "function"}]}, "tools"),
-    ("unsupported stream option", {**HI, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ("unsupported stream option", {**HI, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x"),
     ("integer as a string", {**HI, "max_tokens": "4"}, "max_tokens"),
     ("lone surrogate in the prompt", {"prompt": "a\ud800b"}, "prompt"),
     ("lone surrogate in a prompt list", {"prompt": ["ok", "\udfff"]}, "prompt"),
@@ -277,3 +277,15 @@ def test_dead_engine_is_503_on_health_and_new_requests():
         assert_error(client.post("/v1/chat/completions", json=CHAT), 503)
         resp = client.post("/v1/completions", json={**HI, "stream": True})
         assert_error(resp, 503)
+
+
+def test_continuous_usage_stats_counts_every_chunk(fake):
+    client, _ = fake
+    for url, body in (("/v1/completions", {**HI, "max_tokens": 5}),
+                      ("/v1/chat/completions", {**CHAT, "max_tokens": 5})):
+        resp = client.post(url, json={**body, "stream": True, "stream_options": {"include_usage": True,
+                                                                                 "continuous_usage_stats": True}})
+        events = [e for e in sse_events(resp.text) if e != "[DONE]"]
+        running = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+        assert running == sorted(running) and running[-1] == 5
+        assert events[-1]["usage"]["completion_tokens"] == 5 and not events[-1]["choices"]

@@ -122,17 +122,19 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
 async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
                        request_id: str, created: int, num_prompt: int, k: int | None) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
             "model": server.model_name}
     completion_tokens = 0
+    generated = [0] * stream.num_choices
     finals: dict[int, list[StreamChunk]] = {}
     sent_prompt_logprobs = False
 
     def payload(choice: dict[str, Any]) -> str:
         p = dict(base)
         p["choices"] = [choice]
-        if include_usage:
-            p["usage"] = None
+        if include_usage:  # vLLM's continuous_usage_stats: the choice's running usage in every chunk
+            p["usage"] = usage(num_prompt, generated[choice["index"]]) if continuous else None
         return sse(p)
 
     watcher = watch(stream, request)
@@ -142,6 +144,7 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
                            "finish_reason": None})
         async for chunk in stream:
             completion_tokens += len(chunk.delta_token_ids)
+            generated[chunk.index] += len(chunk.delta_token_ids)
             logprobs = None
             if k is not None and chunk.delta_token_ids:
                 logprobs = {"content": chat_logprobs(server.tokenizer, chunk.delta_token_ids,

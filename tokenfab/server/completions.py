@@ -119,6 +119,8 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, requ
                              stream: RequestStream, request_id: str, created: int, prompt_ids: list[list[int]],
                              prompt_texts: list[str]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    generated = [0] * stream.num_choices
     offsets = [0] * stream.num_choices
     started = [False] * stream.num_choices
     completion_tokens = 0
@@ -143,6 +145,7 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, requ
                 if logprobs["text_offset"]:
                     offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             completion_tokens += len(chunk.delta_token_ids)
+            generated[i] += len(chunk.delta_token_ids)
             if chunk.finished:
                 finals[i] = [chunk]
             send_plp = body.prompt_logprobs is not None and chunk.prompt_logprobs is not None
@@ -154,8 +157,8 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, requ
                 choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             payload = dict(base)
             payload["choices"] = [choice]
-            if include_usage:
-                payload["usage"] = None
+            if include_usage:  # vLLM's continuous_usage_stats: the choice's running usage in every chunk
+                payload["usage"] = usage(len(prompt_ids[p_idx]), generated[i]) if continuous else None
             yield sse(payload)
         if include_usage:
             prompt_tokens = sum(len(ids) for ids in prompt_ids)

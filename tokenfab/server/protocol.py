@@ -68,6 +68,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="vLLM extra: with include_usage, every "
+                                         "chunk carries its choice's running usage")
 
 
 class JsonSchemaFormat(_Request):
