@@ -170,3 +170,37 @@ def test_failed_malloc_is_an_exception(tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "raised: native CPU kernel paged_attention_f32: could not allocate" in proc.stdout
+
+
+def test_random_corruptions_raise_or_match_the_reference():
+    """A seeded fuzz over index tensors: each corrupted batch is either refused with ValueError or
+    valid, and then the kernel's output equals the reference's (no read outside the cache)."""
+    rng = torch.Generator().manual_seed(7)
+    refused = accepted = 0
+    for it in range(150):
+        q_lens = [int(x) for x in torch.randint(1, 5, (3,), generator=rng)]
+        ctx_lens = [q + int(x) for q, x in zip(q_lens, torch.randint(0, 40, (3,), generator=rng))]
+        q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, 4, 2, 16, 8, torch.float32, rng, "cpu")
+        nb, w = kc.shape[0], bt.shape[1]
+        what = it % 3
+        if what == 0:  # a block id anywhere in the table, in or out of range
+            i, j = int(torch.randint(0, 3, (1,), generator=rng)), int(torch.randint(0, w, (1,), generator=rng))
+            bt[i, j] = int(torch.randint(-3, nb + 3, (1,), generator=rng))
+        elif what == 1:  # a context length, in or out of what the table covers
+            i = int(torch.randint(0, 3, (1,), generator=rng))
+            ctx[i] = int(torch.randint(-2, w * 8 + 4, (1,), generator=rng))
+        else:  # a query row count
+            i = int(torch.randint(1, 4, (1,), generator=rng))
+            cu[i:] += int(torch.randint(-2, 3, (1,), generator=rng))
+        try:
+            out = na.paged_attention_native(q, kc, vc, bt, cu, ctx, 0.3)
+        except ValueError:
+            refused += 1
+            continue
+        accepted += 1
+        # the reference gathers up to the longest context in every row: give it in-range padding
+        used = torch.arange(w) < ((ctx + 7) // 8)[:, None]
+        ref = attention.paged_attention_ref(q, kc, vc, torch.where(used, bt, 0), cu, ctx,
+                                            int((cu[1:] - cu[:-1]).max()), int(ctx.max()), 0.3)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert refused > 20 and accepted > 20  # both sides of the line were reached
