@@ -61,7 +61,7 @@ serve)
     MODEL="${LLAMA_CPP_MODEL:-$(bundled_gguf)}"
     exec "$VENV/bin/python" -m llama_cpp.server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
         --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$N_CTX" --n_batch 512 \
-        --model_alias bundled
+        --model_alias "$(basename "$MODEL" .gguf)"
     ;;
 info)
     [ -x "$VENV/bin/python" ] || { echo "no $VENV: run '$0 build' first" >&2; exit 2; }
