@@ -161,6 +161,44 @@ def _write(report: dict[str, Any], json_path: str | None, md_path: str | None) -
         Path(md_path).write_text("\n".join(lines) + "\n")
 
 
+def check_model(report: dict[str, Any], name: str, path: Path, prompts: list[list[int]], dtype: str,
+                modes: list[str], device: torch.device, args: argparse.Namespace) -> None:
+    """One model in one dtype: the reference's tokens, then one row per tokenfab mode (written at once)."""
+    t0 = time.perf_counter()
+    try:
+        ref = Reference(path, DTYPES[dtype], device)
+        expected = [ref.generate(pr, args.new_tokens) for pr in prompts]
+    except Exception as e:  # the reference itself failed: say so, and let the other rows run
+        report["rows"].append({"model": name, "dtype": dtype, "mode": "reference", "verdict": "fail",
+                               "error": f"transformers: {type(e).__name__}: {e}"})
+        _write(report, args.json, args.markdown)
+        return
+    ref_s = round(time.perf_counter() - t0, 1)
+    ours_by_mode: dict[str, list[list[int]]] = {}
+    for mode in modes:
+        row: dict[str, Any] = {"model": name, "dtype": dtype, "mode": mode, "reference_seconds": ref_s}
+        t0 = time.perf_counter()
+        try:
+            ours = run_tokenfab(path, prompts, args.new_tokens, dtype, str(device), eager=mode == "eager")
+            ours_by_mode[mode] = ours
+            seqs = [compare(ref, pr, e, o, dtype) for pr, e, o in zip(prompts, expected, ours)]
+            counts = {k: sum(s["result"] == k for s in seqs) for k in ("exact", "near_tie", "mismatch")}
+            row.update(sequences=seqs, counts=counts, verdict="pass" if not counts["mismatch"] else "fail")
+        except Exception as e:  # a crash is a failed row, and the other rows still run
+            row.update(verdict="fail", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        report["rows"].append(row)
+        what = row.get("counts", row.get("error"))
+        print(f"[engine_check] {name} {dtype} {mode}: {row['verdict']} {what} ({row['seconds']} s)", flush=True)
+        _write(report, args.json, args.markdown)
+    if "graphs" in ours_by_mode and "eager" in ours_by_mode:
+        same = sum(a == b for a, b in zip(ours_by_mode["graphs"], ours_by_mode["eager"]))
+        report["graphs_vs_eager"].append({"model": name, "dtype": dtype, "identical": same, "sequences": len(prompts)})
+        _write(report, args.json, args.markdown)
+    ref.close()
+    gc.collect()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -184,41 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                               "new_tokens": args.new_tokens, "prompt_lens": list(PROMPT_LENS), "rows": [],
                               "graphs_vs_eager": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            path = build_model(name, Path(tmp) / name)
-            prompts = make_prompts(COMMON["vocab_size"])
-            for dtype in dtypes:
-                t0 = time.perf_counter()
-                ref = Reference(path, DTYPES[dtype], device)
-                expected = [ref.generate(pr, args.new_tokens) for pr in prompts]
-                ref_s = time.perf_counter() - t0
-                ours_by_mode: dict[str, list[list[int]]] = {}
-                for mode in modes:
-                    row: dict[str, Any] = {"model": name, "dtype": dtype, "mode": mode}
-                    t0 = time.perf_counter()
-                    try:
-                        ours = run_tokenfab(path, prompts, args.new_tokens, dtype, str(device), eager=mode == "eager")
-                        ours_by_mode[mode] = ours
-                        seqs = [compare(ref, pr, e, o, dtype) for pr, e, o in zip(prompts, expected, ours)]
-                        counts = {k: sum(s["result"] == k for s in seqs) for k in ("exact", "near_tie", "mismatch")}
-                        row.update(sequences=seqs, counts=counts, verdict="pass" if not counts["mismatch"] else "fail")
-                    except Exception as e:  # a crash is a failed row, and the other rows still run
-                        row.update(verdict="fail", error=f"{type(e).__name__}: {e}",
-                                   traceback=traceback.format_exc()[-3000:])
-                    row["seconds"] = round(time.perf_counter() - t0, 1)
-                    row["reference_seconds"] = round(ref_s, 1)
-                    report["rows"].append(row)
-                    what = row.get("counts", row.get("error"))
-                    print(f"[engine_check] {name} {dtype} {mode}: {row['verdict']} {what} ({row['seconds']} s)",
-                          flush=True)
-                    _write(report, args.json, args.markdown)
-                if "graphs" in ours_by_mode and "eager" in ours_by_mode:
-                    same = sum(a == b for a, b in zip(ours_by_mode["graphs"], ours_by_mode["eager"]))
-                    report["graphs_vs_eager"].append({"model": name, "dtype": dtype, "identical": same,
-                                                      "sequences": len(prompts)})
-                    _write(report, args.json, args.markdown)
-                ref.close()
-                gc.collect()
+        paths = {name: build_model(name, Path(tmp) / name) for name in args.models}
+        prompts = make_prompts(COMMON["vocab_size"])
+        for dtype in dtypes:  # the first dtype (bf16 on CUDA) for every model before the next
+            for name, path in paths.items():
+                check_model(report, name, path, prompts, dtype, modes, device, args)
     _write(report, args.json, args.markdown)
     print(f"[engine_check] {'PASS' if report['pass'] else 'FAIL'}", flush=True)
     return 0 if report["pass"] else 1
