@@ -272,3 +272,55 @@ def test_frequencies_bound_is_meaningful():
     bound = 5 * np.sqrt(q * (1 - q) / 4000) + 1 / 4000
     assert not (np.abs(wrong - q) <= bound).all()
     assert math.isclose(q.sum(), 1.0)
+
+
+# ---- parameters and randomness ---------------------------------------------------------------
+
+
+def test_params_normalise_the_forms_users_send():
+    p = SamplingParams(stop="###", top_k=-1)
+    assert p.stop == ["###"] and p.top_k == 0 and p.stop_token_ids == []
+    p = SamplingParams(stop=("a", "b"), stop_token_ids=(3, 4), top_k=None)
+    assert p.stop == ["a", "b"] and p.stop_token_ids == [3, 4] and p.top_k == 0
+    assert SamplingParams(top_k=5).top_k == 5 and SamplingParams(top_k=0).top_k == 0
+    # top_k -1 (vLLM's "off") samples like no top-k at all
+    row = np.log(np.array([30, 20, 12, 9, 7, 6, 5, 4, 3, 2, 1.5, 1.0]))
+    off = _draw(row, SamplingParams(temperature=1.0, top_k=-1), 500)
+    assert (off == _draw(row, SamplingParams(temperature=1.0, top_k=0), 500)).all()
+
+
+def test_step_seeds_differ_across_steps_and_requests():
+    """Each (request seed, step) gets its own 32-bit seed: no two of 64 x 64 collide, and the
+    same pair always gives the same seed."""
+    from tokenfab.engine.sampler import step_seed
+
+    seeds = {step_seed(b, s) for b in range(64) for s in range(64)}
+    assert len(seeds) == 64 * 64 and all(0 <= x < 2**32 for x in seeds)
+    assert step_seed(12345, 7) == step_seed(12345, 7)
+
+
+def test_one_request_over_many_steps_draws_from_the_distribution():
+    """The draws of one request across its steps (not only across requests) follow the
+    distribution: 3000 steps of one seed, frequencies within 5 sigma."""
+    row = np.log(np.array([30, 20, 12, 9, 7, 6, 5, 4, 3, 2, 1.5, 1.0]))
+    params = SamplingParams(temperature=1.0, top_k=8)
+    n = 3000
+    seq = _seq(params, seed=42)
+    logits = torch.tensor(row, dtype=torch.float32)[None]
+    drawn = []
+    for _ in range(n):
+        tok = sample_next(logits.clone(), [seq], []).token_ids[0]
+        drawn.append(tok)
+        seq.token_ids.append(tok)
+    counts = np.bincount(drawn, minlength=len(row))
+    q = filtered_distribution(row, 1.0, 8, 1.0, 0.0)
+    assert set(np.nonzero(counts)[0].tolist()) == kept_tokens(row, 1.0, 8, 1.0, 0.0)
+    assert (np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 1 / n).all()
+
+
+def test_sample_op_on_an_empty_batch():
+    from tokenfab.kernels.sampling import sample_ref
+
+    out = sample_ref(torch.empty(0, 10), torch.empty(0), torch.empty(0, dtype=torch.int64), torch.empty(0),
+                     torch.empty(0), torch.empty(0, dtype=torch.int64))
+    assert out.shape == (0,) and out.dtype == torch.int64

@@ -17,8 +17,8 @@ BS = 4  # block size
 SAMPLED = 7  # the token "the model" appends
 
 
-def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 1000) -> Scheduler:
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=False)
+def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 1000, block_size: int = BS) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
 
 
@@ -35,7 +35,7 @@ def step(s: Scheduler) -> dict[str, int]:
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         assert seq.status == SequenceStatus.RUNNING and n > 0
         seq.num_computed_tokens += n
-        assert len(seq.block_table) * BS >= seq.num_computed_tokens  # its KV has slots
+        assert len(seq.block_table) * s.bm.block_size >= seq.num_computed_tokens  # its KV has slots
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(SAMPLED)
     step.last = batch
@@ -201,3 +201,47 @@ def test_request_larger_than_the_cache_waits_at_the_head():
     assert step(s) == {}
     assert [q.request_id for q in s.waiting] == ["r0", "r1"]  # FCFS: nobody jumps the line
     assert s.bm.num_free_blocks == 2
+
+
+def test_a_victim_preempted_after_the_asker_is_skipped_and_later_requests_still_run():
+    """r0 (decode) needs a block; the victim r1 (priority 5) comes later in the step's order and is
+    skipped there; r2's prompt chunk after it still runs."""
+    s = make(num_blocks=3, budget=8, block_size=8)
+    s.add(req(0, 7))
+    s.add(req(1, 1, priority=5))
+    assert step(s) == {"r0": 7, "r1": 1}
+    s.add(req(2, 8))
+    assert step(s) == {"r0": 1, "r1": 1, "r2": 6}
+    assert step(s) == {"r0": 1, "r2": 2}
+    assert [q.request_id for q in step.last.preempted] == ["r1"]
+
+
+def test_a_victim_already_scheduled_in_the_step_is_taken_back_out():
+    """r2's prompt chunk needs a block; the victim r1 (priority 5) already had its decode in the
+    batch: it leaves the batch (and its token counts) and is re-queued."""
+    s = make(num_blocks=3, budget=8, block_size=8)
+    s.add(req(0, 2))
+    r1 = req(1, 1, priority=5)
+    s.add(r1)
+    assert step(s) == {"r0": 2, "r1": 1}
+    s.add(req(2, 14))
+    assert step(s) == {"r0": 1, "r1": 1, "r2": 6}
+    assert step(s) == {"r0": 1, "r2": 6}
+    b = step.last
+    assert b.preempted == [r1] and r1 not in b.seqs
+    assert (b.num_decode_tokens, b.num_prefill_tokens) == (1, 6)
+    assert r1.status == SequenceStatus.WAITING and s.waiting == [r1]
+
+
+def test_added_requests_wait_and_finish_removes_them_from_any_queue():
+    s = make()
+    a, b = req(0, 3), req(1, 3)
+    s.add(a)
+    s.add(b)
+    assert a.status == SequenceStatus.WAITING and s.has_unfinished()
+    s.finish(b)  # aborted while waiting
+    assert s.waiting == [a] and b.status == SequenceStatus.FINISHED
+    step(s)
+    s.finish(a)  # finished while running
+    assert s.running == [] and not s.has_unfinished()
+    assert s.bm.num_free_blocks == s.bm.num_blocks and s.bm.usage() == 0.0
