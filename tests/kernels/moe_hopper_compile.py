@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import _Compiler, run_cli  # noqa: E402
+from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -73,18 +73,11 @@ QUICK = ("topk_softmax bf16 [8192", "grouped_topk", "qwen3-30b-a3b bf16 T=1", "q
 
 
 def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
-    from triton.runtime.jit import JITFunction
-
-    from tokenfab.kernels import moe
+    from tokenfab.kernels import moe_align, moe_gemm, moe_routing
 
     results: list[dict] = []
     current = {"label": ""}
-    saved = [(moe, "check_device", moe.check_device)]
-    moe.check_device = lambda t: None
-    for name, obj in list(vars(moe).items()):
-        if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-            saved.append((moe, name, obj))
-            setattr(moe, name, _Compiler(obj, results, lambda: current["label"]))
+    saved = patch_kernels([moe_routing, moe_align, moe_gemm], results, lambda: current["label"])
     try:
         for label, fn in _workloads():
             if (only and only not in label) or (quick and not label.startswith(QUICK)):
@@ -92,8 +85,7 @@ def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
             current["label"] = label
             fn()
     finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
+        restore(saved)
     return results
 
 
