@@ -193,8 +193,6 @@ def test_penalties_per_row_in_a_batch():
         np.testing.assert_allclose(got[j].double().numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM applies the repetition penalty before presence/frequency; "
-                   "tokenfab applies it after them (reported, issue 12 part 7)")
 def test_penalties_combined_in_vllms_order():
     logits = np.array([2.0, -1.0, 0.5, 1.0])
     s = _seq(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),

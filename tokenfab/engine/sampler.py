@@ -2,8 +2,9 @@
 
 1. ``logit_bias`` is added to the raw logits (one ``index_put_`` over the batch's (row, token, bias)
    triples);
-2. penalties: presence/frequency on the generated tokens (OpenAI's definition), repetition on the
-   prompt and generated tokens (divide positive logits, multiply negative ones; CTRL/transformers);
+2. penalties: first repetition on the prompt and generated tokens (divide positive logits,
+   multiply negative ones; CTRL/transformers), then frequency and presence on the generated
+   tokens (OpenAI's definition);
 3. ``min_tokens``: until a request has generated that many tokens, its EOS and ``stop_token_ids``
    are masked to -inf (stop strings are not checked before then either; see LLMEngine);
 4. the grammar constraint masks its row;
@@ -70,25 +71,25 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Presence/frequency penalties on generated tokens (OpenAI's definition) and the
-    repetition penalty on prompt + generated tokens (divide positive logits, multiply
-    negative ones, as in CTRL / transformers). In place; returns logits."""
+    """vLLM's order: first the repetition penalty on prompt + generated tokens (divide positive
+    logits, multiply negative ones, as in CTRL / transformers), then the frequency and presence
+    penalties on generated tokens (OpenAI's definition). In place; returns logits."""
     dev, v = logits.device, logits.shape[1]
     pres = [s.params.presence_penalty for s in seqs]
     freq = [s.params.frequency_penalty for s in seqs]
     rep = [s.params.repetition_penalty for s in seqs]
-    if any(pres) or any(freq):
-        out = _pad_tokens([s.output_token_ids for s in seqs], dev, v)
-        counts = torch.zeros(len(seqs), v + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float))
-        counts = counts[:, :v]
-        logits -= torch.tensor(freq, device=dev)[:, None] * counts
-        logits -= torch.tensor(pres, device=dev)[:, None] * (counts > 0).float()
     if any(r != 1.0 for r in rep):
         toks = _pad_tokens([s.token_ids for s in seqs], dev, v)
         seen = torch.zeros(len(seqs), v + 1, dtype=torch.bool, device=dev).scatter_(1, toks, True)[:, :v]
         r = torch.tensor(rep, device=dev)[:, None]
         penalized = torch.where(logits > 0, logits / r, logits * r)
         logits.copy_(torch.where(seen, penalized, logits))
+    if any(pres) or any(freq):
+        out = _pad_tokens([s.output_token_ids for s in seqs], dev, v)
+        counts = torch.zeros(len(seqs), v + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float))
+        counts = counts[:, :v]
+        logits -= torch.tensor(freq, device=dev)[:, None] * counts
+        logits -= torch.tensor(pres, device=dev)[:, None] * (counts > 0).float()
     return logits
 
 
