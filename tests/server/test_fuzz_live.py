@@ -101,4 +101,4 @@ def test_schemathesis_live_short(served, http):
 
 @pytest.mark.slow
 def test_schemathesis_live_long(served, http):
-    _live_fuzz(served, http, max_examples=60)
+    _live_fuzz(served, http, max_examples=30)

@@ -3,15 +3,14 @@ conversions every endpoint needs (model name, lengths, sampling parameters, subm
 
 Everything a request can get wrong is found here, before anything is queued: the engine's own
 ``check_request`` (vocabulary, lengths, every sampling bound) runs on each prompt first, so a bad
-request is a 400 and the engine never sees it. Tokenization and chat templating run in a small
-thread pool, off the event loop (a megabyte prompt must not stall every other client's stream).
+request is a 400 and the engine never sees it. Tokenization and chat templating run in a
+one-thread pool, off the event loop (a megabyte prompt must not stall every other client's stream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +56,9 @@ class OpenAIServer:
         engine.on_finished = self.metrics.on_finished
         self._structured: Any = None
         self._structured_lock = asyncio.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tokenfab-tok")
+        # One worker: the event loop stays free, which is the point; a fast tokenizer shared by
+        # several threads can fail with "Already borrowed" when one of them changes its settings.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-tok")
         self.created = int(time.time())
 
     def close(self) -> None:
