@@ -228,3 +228,15 @@ def test_mistral_consolidated_copy_is_not_read(tmp_path, tiny_llama):
     save_file({"layers.0.attention.wq.weight": tensors["model.layers.0.self_attn.q_proj.weight"]},
               str(path / "consolidated.safetensors"))
     assert _load(path).model is not None
+
+
+def test_renamed_tensor_names_both_sides(tmp_path, tiny_llama):
+    """A tensor under a name we do not know is reported, and so is the parameter it left empty."""
+    config, tensors = tiny_llama
+    renamed = dict(tensors)
+    renamed["model.layers.0.self_attn.q.weight"] = renamed.pop("model.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(ModelLoadError) as info:
+        _load(_write(tmp_path / "m", config, renamed))
+    msg = str(info.value)
+    assert "takes: model.layers.0.self_attn.q.weight" in msg
+    assert "1 parameters are missing: model.layers.0.self_attn.qkv_proj.weight (shard 0)" in msg

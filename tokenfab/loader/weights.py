@@ -97,13 +97,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                 where(), f"tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
             )
         dst.copy_(tensor)
-    if unused:
-        files = sorted({str(f) for f in unused.values()})
-        raise ModelLoadError(
-            files[0] if len(files) == 1 else source,
-            f"checkpoint tensors that no parameter of {type(model).__name__} takes: {_shown(sorted(unused))} "
-            "(a format or architecture variant tokenfab does not load yet; nothing is dropped silently)",
-        )
     missing = []
     for name in dict(model.named_parameters()):  # tied parameters listed once
         mod = modules.get(name.rsplit(".", 1)[0])
@@ -111,5 +104,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             missing += [f"{name} (shard {i})" for i in range(len(mod.shard_sizes)) if f"{name}#{i}" not in loaded]
         elif name not in loaded:
             missing.append(name)
+    if unused:
+        files = sorted({str(f) for f in unused.values()})
+        also = f"; and {len(missing)} parameters are missing: {_shown(missing)}" if missing else ""
+        raise ModelLoadError(
+            files[0] if len(files) == 1 else source,
+            f"checkpoint tensors that no parameter of {type(model).__name__} takes: {_shown(sorted(unused))} "
+            f"(a format or architecture variant tokenfab does not load yet; nothing is dropped silently){also}",
+        )
     if missing:
         raise ModelLoadError(source, f"missing tensors: {_shown(missing)}")
