@@ -87,3 +87,9 @@ def test_stop_strings_are_not_checked_before_min_tokens(bundled):
     assert held.finish_reason == "stop"
     # the stop matched in text generated after min_tokens; what came before keeps its commas
     assert held.text == free.text[: len(held.text)] and held.text.count(",") >= 1
+
+
+def test_untokenizable_prompt_is_a_value_error(bundled):
+    with pytest.raises(ValueError, match="^prompt"):
+        bundled.generate(["fine", "lone surrogate \ud800"], SamplingParams(max_tokens=2))
+    assert not bundled.engine.has_unfinished_requests()

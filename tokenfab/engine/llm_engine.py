@@ -201,7 +201,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            try:
+                return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            except (TypeError, UnicodeError) as e:  # e.g. a lone UTF-16 surrogate ("\ud800")
+                raise ValueError(f"prompt cannot be tokenized: {e}") from None
         try:
             return None, [operator.index(t) for t in prompt]  # ints, numpy/torch integer scalars
         except TypeError:
