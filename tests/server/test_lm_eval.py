@@ -90,3 +90,24 @@ def test_prompt_logprobs_extra_matches_transformers(served, http, hf_logprobs):
         ranked = {int(t): v["rank"] for t, v in entry.items()}
         for r, t in enumerate(top3, start=1):
             assert ranked.get(t) == r
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_streamed_echo_logprobs_equal_non_streamed(served, http, max_tokens):
+    import json
+
+    ids, _ = _requests(served.llm.tokenizer)[1]
+    body = {"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    resp = http.post("/v1/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    text, token_logprobs = "", []
+    for e in events:
+        choice = e["choices"][0]
+        text += choice["text"]
+        if choice["logprobs"]:
+            token_logprobs += choice["logprobs"]["token_logprobs"]
+    assert text == whole["text"]
+    assert token_logprobs == whole["logprobs"]["token_logprobs"]
+    assert len(token_logprobs) == len(ids) + max_tokens
