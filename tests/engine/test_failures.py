@@ -171,3 +171,15 @@ def test_async_engine_dies_on_device_error(tiny_llama_dir, monkeypatch):
             asyncio.run(submit())
     finally:
         front.shutdown()
+
+
+def test_llm_generate_returns_the_failed_request_and_the_others(tiny_llama_dir, reference):
+    from tokenfab.engine.llm import LLM
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=200)
+    bad = SamplingParams(temperature=0, max_tokens=8, constraint=BrokenConstraint(2))
+    outs = llm.generate(PROMPTS + [[9, 8, 7]], [GREEDY] * len(PROMPTS) + [bad])
+    assert [o.outputs[0].token_ids for o in outs[:-1]] == [reference[f"r{i}"] for i in range(len(PROMPTS))]
+    assert all(o.error is None for o in outs[:-1])
+    assert outs[-1].outputs[0].finish_reason == "error" and "grammar exploded" in outs[-1].error
+    assert not llm.engine.has_unfinished_requests()

@@ -104,6 +104,7 @@ class LLM:
             raise
         results: dict[int, list] = {i: [None] * p.n for i, p in enumerate(params)}
         first: dict[int, RequestOutput] = {}
+        errors: dict[int, str] = {}  # prompt index -> the first failed choice's error
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -117,6 +118,8 @@ class LLM:
                         out.outputs[0].index = j
                         results[i][j] = out.outputs[0]
                         first.setdefault(i, out)
+                        if out.error is not None:
+                            errors.setdefault(i, out.error)
                         if bar is not None:
                             bar.update(1)
         except BaseException:  # interrupted or the engine died: leave nothing of this call queued
@@ -129,10 +132,9 @@ class LLM:
         final = []
         for i in range(len(prompts)):
             out = first[i]
-            errors = [r.finish_reason for r in results[i]]
             final.append(RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, results[i], True,
                                        out.num_cached_tokens, out.metrics, out.prompt_logprobs,
-                                       out.error if "error" in errors else None))
+                                       errors.get(i)))
         return final
 
 
