@@ -297,8 +297,12 @@ class LLMEngine:
         # a chunk that reaches the end of the known tokens yields the next token (max_tokens 0: none)
         done = [st + n == s.num_tokens for s, st, n in zip(seqs, starts, counts)]
         sample_mask = [d and s.params.max_tokens != 0 for s, d in zip(seqs, done)]
-        prompt_rows = [self._prompt_rows(s, st, n) for s, st, n in zip(seqs, starts, counts)]
-        scoring = any(b > a for a, b in prompt_rows)
+        scoring = any(s.prompt_logprobs is not None for s in seqs)
+        if scoring:
+            prompt_rows = [self._prompt_rows(s, st, n) for s, st, n in zip(seqs, starts, counts)]
+            scoring = any(b > a for a, b in prompt_rows)
+        else:
+            prompt_rows = [(0, 0)] * len(seqs)
         failed: dict[int, str] = {}
         logits, hidden = self._forward(seqs, counts, sample_mask, prompt_rows if scoring else None, failed)
         # the rows of logits (and hidden) are those of the sequences that did not fail, in order

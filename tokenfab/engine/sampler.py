@@ -108,11 +108,7 @@ def _min_tokens_mask(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[i
 
 
 def _needs_edit(s: Sequence) -> bool:
-    p = s.params
-    return bool(
-        p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-        or p.constraint is not None or s.num_output_tokens < p.min_tokens
-    )
+    return s.edits_logits or (s.params.min_tokens > 0 and s.num_output_tokens < s.params.min_tokens)
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:

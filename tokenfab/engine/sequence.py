@@ -47,6 +47,11 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks, in order
         self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        # whether the sampler must edit this request's logits at every step (min_tokens aside)
+        self.edits_logits = bool(
+            params.logit_bias or params.presence_penalty or params.frequency_penalty
+            or params.repetition_penalty != 1.0 or params.constraint is not None
+        )
         self.cache_salt = cache_salt  # mixed into the first block's prefix-cache digest
         self.num_preemptions = 0
         self.error: str | None = None  # set when the request failed inside a step
