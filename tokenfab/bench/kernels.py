@@ -373,10 +373,10 @@ def _machine(cuda: bool) -> dict:
 def _compiled_kernels() -> list[dict]:
     """Registers / spills / shared memory of every kernel compiled in this process (best effort:
     the JIT cache's layout differs between triton versions)."""
-    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+    from tokenfab.kernels import activation, attention_decode, attention_prefill, kv_cache, norm, paged, rope, sampling
 
     out = []
-    for mod in (activation, attention, kv_cache, norm, rope, sampling):
+    for mod in (activation, attention_decode, attention_prefill, paged, kv_cache, norm, rope, sampling):
         for name, fn in vars(mod).items():
             caches = getattr(fn, "device_caches", None)
             if not name.endswith("_kernel") or not caches:
