@@ -58,11 +58,11 @@ BAD_CHATS = [
      "messages.0.content"),
     ("client chat_template", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("chat_template_kwargs outside the allow-list", {**CHAT, "chat_template_kwargs": {"tokenize": True}},
-     "chat_template_kwargs"),
+     "chat_template_kwargs.tokenize"),
     ("chat_template_kwargs add_generation_prompt", {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
-     "chat_template_kwargs"),
-    ("chat_template_kwargs non-scalar value", {**CHAT, "chat_template_kwargs": {"thinking": {"a": 1}}},
-     "chat_template_kwargs"),
+     "chat_template_kwargs.add_generation_prompt"),
+    ("chat_template_kwargs wrong value type", {**CHAT, "chat_template_kwargs": {"thinking": {"a": 1}}},
+     "chat_template_kwargs.thinking"),
     ("unknown message field", {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
      "messages.0.tool_calls"),
     ("top_k 2**63", {**CHAT, "top_k": 2**63}, "top_k"),
@@ -206,6 +206,25 @@ def test_priority_is_honoured_under_the_priority_policy():
     with fake_server(scheduling_policy="priority") as (client, _):
         assert client.post("/v1/completions", json={**HI, "priority": 5}).status_code == 200
         assert client.post("/v1/completions", json={**HI, "priority": -5}).status_code == 200
+
+
+def test_allowed_chat_template_kwargs_reach_the_template(fake):
+    client, engine = fake
+    seen = []
+    original = engine.tokenizer.apply_chat_template
+
+    def template(*a, **kw):
+        seen.append({k: v for k, v in kw.items() if k in ("enable_thinking", "thinking", "reasoning_effort")})
+        return original(*a, **kw)
+
+    engine.tokenizer.apply_chat_template = template
+    try:
+        resp = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False,
+                                                                                           "reasoning_effort": "low"}})
+    finally:
+        del engine.tokenizer.apply_chat_template
+    assert resp.status_code == 200, resp.text
+    assert seen == [{"enable_thinking": False, "reasoning_effort": "low"}]
 
 
 def test_client_chat_template_only_when_trusted():

@@ -108,15 +108,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await server.detokenize_endpoint(body)
 
-    _document_no_422(app)
+    _document_truthfully(app, server.model_name, priority=engine.scheduling_policy == "priority",
+                         chat_template=config.trust_request_chat_template)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes, on_reject=server.metrics.error)
     if config.api_key:  # outermost: no body is read for a request without the key
         app.add_middleware(AuthMiddleware, api_key=config.api_key, on_reject=server.metrics.error)
     return app
 
 
-def _document_no_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 on every route with a body; this server answers 400 instead."""
+def _document_truthfully(app: FastAPI, model_name: str, priority: bool, chat_template: bool) -> None:
+    """Corrections to FastAPI's document, so that it says what this server accepts: no 422 (it
+    answers 400 instead); ``model`` is the one name it serves (or absent), not any string;
+    ``priority`` is 0 unless it runs the priority policy; ``suffix`` must be empty; a request's
+    ``chat_template`` is null unless trusted."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -125,9 +129,47 @@ def _document_no_422(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+                    for param in op.get("parameters", []):
+                        if param.get("name") == "model_id":
+                            param["schema"] = {"type": "string", "enum": [model_name], "title": "Model Id"}
+            schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                schemas.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+                props = schemas.get(name, {}).get("properties", {})
+                if "model" in props:
+                    props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
+                                      "title": "Model", "description": "the served model's name"}
+                if "priority" in props and not priority:
+                    props["priority"] = {**props["priority"], "minimum": 0, "maximum": 0}
+                if "suffix" in props:
+                    props["suffix"] = {**props["suffix"], "anyOf": [{"type": "string", "maxLength": 0},
+                                                                    {"type": "null"}]}
+                if "chat_template" in props and not chat_template:
+                    props["chat_template"] = {**props["chat_template"], "anyOf": [{"type": "null"}]}
+            _json_schema_bounds(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_bounds(node: Any) -> None:
+    """Pydantic writes the bounds of a constrained type that has its own validator (our ``Int``) as
+    "ge"/"le", which JSON Schema does not know: rename them to minimum/maximum so they count. And
+    a dict whose keys have a pattern admits no other keys."""
+    if isinstance(node, dict):
+        if "patternProperties" in node:  # dict keys validated by pattern: no other key passes
+            node.setdefault("additionalProperties", False)
+        if node.get("type") in ("integer", "number"):
+            for old, new in _BOUNDS.items():
+                if old in node:
+                    node[new] = node.pop(old)
+        for value in node.values():
+            _json_schema_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _json_schema_bounds(value)

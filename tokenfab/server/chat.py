@@ -37,16 +37,10 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     """The prompt text of ``messages`` under the model's chat template (or ``chat_template``, which
     the caller has checked is trusted). Runs in the server's tokenizer pool, off the event loop."""
     conv = []
-    for i, m in enumerate(messages):
+    for m in messages:
         content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages.{i}.content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+        if isinstance(content, list):  # text parts (the request model admits no other kind)
+            content = "\n".join(part.text for part in content)
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if m.name:
@@ -75,8 +69,9 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     server.check_priority(body.priority)
     if body.top_logprobs is not None and not body.logprobs and body.top_logprobs > 0:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    kwargs = body.chat_template_kwargs.model_dump(exclude_none=True) if body.chat_template_kwargs else None
     text = await server.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    body.chat_template_kwargs, body.chat_template)
+                                    kwargs, body.chat_template)
     ids = await server.tokenize(text, add_special_tokens=False, param="messages")
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")

@@ -18,9 +18,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 MAX_TOKEN_LIST = 1024  # stop_token_ids and logit_bias entries
 MAX_LOGPROBS = 20
-# keys a client may pass to the chat template (vLLM's --trust-request-chat-template lifts nothing here:
-# the template is fixed unless trusted, its arguments are always this allow-list)
-CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 
 
 def random_id(prefix: str) -> str:
@@ -60,6 +57,13 @@ Int = Annotated[int, BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_surrogates)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# one text, several texts, one token-id prompt, several token-id prompts; none empty
+Prompt = (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1)])
 
 
 class _Request(BaseModel):
@@ -131,7 +135,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     # 0 is OpenAI's legacy "score the prompt": only with echo (the prompt is returned, nothing generated)
     max_tokens: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
@@ -140,16 +144,25 @@ class CompletionRequest(_SamplingFields):
     best_of: Int | None = Field(default=None, ge=1, le=128, description="must equal n (no server-side ranking)")
 
 
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[dict[str, Any]] | None = None
+    content: Text | list[TextPart] | None = Field(default=None, description="text, or text parts (no images)")
     name: Text | None = None
 
-    @field_validator("content")
-    @classmethod
-    def _check_parts_text(cls, v: Any) -> Any:
-        check_text(v)
-        return v
+
+class ChatTemplateKwargs(_Request):
+    """The variables a client may pass to the chat template: an allow-list (any other key is a 400;
+    ``add_generation_prompt`` and ``continue_final_message`` are fields of the request)."""
+
+    enable_thinking: bool | None = Field(default=None, description="Qwen3-style thinking switch")
+    thinking: bool | None = Field(default=None, description="DeepSeek-style thinking switch")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(default=None,
+                                                                      description="GPT-OSS reasoning effort")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -161,21 +174,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: Text | None = Field(default=None,
                                        description="refused unless the server runs with --trust-request-chat-template")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, description=f"extra template variables; allowed keys: {', '.join(sorted(CHAT_TEMPLATE_KWARGS))}")
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key, value in (v or {}).items():
-            if key not in CHAT_TEMPLATE_KWARGS:
-                raise ValueError(f"{key!r} is not an allowed chat template argument (allowed: "
-                                 f"{', '.join(sorted(CHAT_TEMPLATE_KWARGS))}; add_generation_prompt and "
-                                 "continue_final_message are fields of the request)")
-            if not (value is None or isinstance(value, (bool, int, float, str))):
-                raise ValueError(f"chat template argument {key!r} must be a boolean, number or string")
-        check_text(v)
-        return v
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class TokenizeRequest(_Request):
