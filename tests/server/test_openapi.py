@@ -46,6 +46,14 @@ def test_openapi_documents_errors_and_response_models():
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas
     assert schemas["CompletionRequest"]["additionalProperties"] is False  # unknown fields are refused
+    import json
+
+    text = json.dumps(doc)
+    assert '"ge":' not in text and '"le":' not in text  # bounds in JSON Schema's words, so they count
+    n = schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert (n["minimum"], n["maximum"]) == (0, 2**31 - 1)
+    assert schemas["CompletionRequest"]["properties"]["priority"]["maximum"] == 0  # fcfs: only 0
+    assert schemas["CompletionRequest"]["properties"]["model"]["anyOf"][0]["enum"] == ["fake-model"]
 
 
 def test_real_responses_validate_against_the_documented_models():
