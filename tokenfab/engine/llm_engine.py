@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -13,21 +12,27 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
+    default_cpu_kv_bytes,
+    maybe_pack_cpu_weights,
+    physical_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+    tune_cpu_allocator,
+)
 from tokenfab.engine.errors import EngineDeadError, is_device_fatal
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.engine.prompt_logprobs import prompt_rows_of, score_prompt
 from tokenfab.engine.sampler import sample_next
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.engine.scheduler import Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
-from tokenfab.layers.linear import prepack_cpu_linears
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
 from tokenfab.tokenizer import detokenize_incrementally, eos_token_ids
 
 log = logging.getLogger("tokenfab")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -47,68 +52,6 @@ class EngineStats:
     last_step_num_seqs: int
     last_step_prefill_tokens: int
     last_step_decode_tokens: int
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    if name == "float16" and device.type == "cuda":
-        raise ValueError(
-            "--dtype float16 is not supported on CUDA: the Triton kernels are compiled and tested for "
-            "float32 and bfloat16 only; use --dtype bfloat16 (same memory) or float32"
-        )
-    return _DTYPES[name]
-
-
-def physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
-def default_cpu_kv_bytes() -> int:
-    """CPU default: 2 GiB, or a quarter of the machine's memory when that is less."""
-    return min(2 << 30, physical_memory_bytes() // 4)
-
-
-def tune_cpu_allocator() -> bool:
-    """Keep freed memory in the process (glibc): a CPU step allocates and frees the same large
-    activations every time, and by default glibc returns them to the OS (mmap for blocks over
-    128 KB-32 MB, heap trimming), so every step page-faults them in again: ~1M faults a run of
-    the throughput benchmark, 8-10% of its time. The cost is that the process keeps its peak
-    heap. ``TOKENFAB_CPU_MALLOC_TUNING=0`` leaves the allocator alone. Returns whether it applied."""
-    if os.environ.get("TOKENFAB_CPU_MALLOC_TUNING", "1") in ("0", "false", "no"):
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)
-        return bool(ok)
-    except (OSError, AttributeError):  # not glibc
-        return False
-
-
-def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, enabled: bool) -> int:
-    """Packed weight copies on CPU when they fit easily (``layers.linear.pack_weight`` decides which
-    dtypes it can pack); returns the bytes packed."""
-    if not enabled or device.type != "cpu":
-        return 0
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if weight_bytes > physical_memory_bytes() // 4:
-        log.info("not packing CPU weights: %.1f GiB of weights", weight_bytes / 2**30)
-        return 0
-    return prepack_cpu_linears(model)
 
 
 class LLMEngine:
@@ -299,7 +242,7 @@ class LLMEngine:
         sample_mask = [d and s.params.max_tokens != 0 for s, d in zip(seqs, done)]
         scoring = any(s.prompt_logprobs is not None for s in seqs)
         if scoring:
-            prompt_rows = [self._prompt_rows(s, st, n) for s, st, n in zip(seqs, starts, counts)]
+            prompt_rows = [prompt_rows_of(s, st, n) for s, st, n in zip(seqs, starts, counts)]
             scoring = any(b > a for a, b in prompt_rows)
         else:
             prompt_rows = [(0, 0)] * len(seqs)
@@ -319,7 +262,7 @@ class LLMEngine:
             a, b = prompt_rows[i]
             if b > a:
                 try:
-                    self._score_prompt(seq, starts[i] + a, hidden[row : row + b - a])
+                    score_prompt(self.model, seq, starts[i] + a, hidden[row : row + b - a], self._decode_one)
                 except EngineDeadError:
                     raise
                 except Exception as e:
@@ -354,15 +297,6 @@ class LLMEngine:
                 self._finish(seq, "length")
                 outputs.append(self._output(seq))
         return outputs
-
-    def _prompt_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
-        """The chunk offsets [a, b) whose logits score prompt tokens not scored yet: the logits
-        at position q score the token at q + 1."""
-        if seq.prompt_logprobs is None:
-            return (0, 0)
-        first = max(start, len(seq.prompt_logprobs) - 1)
-        end = min(start + n, seq.num_prompt_tokens - 1)
-        return (first - start, end - start) if end > first else (0, 0)
 
     def _forward(
         self, seqs: list[Sequence], counts: list[int], sample_mask: list[bool],
@@ -417,27 +351,6 @@ class LLMEngine:
                 self._raise_if_fatal(e)
                 results.append(f"sampling failed for this request: {e}")
         return results
-
-    def _score_prompt(self, seq: Sequence, first_pos: int, hidden: torch.Tensor, piece: int = 256) -> None:
-        """Append the logprobs of prompt tokens first_pos+1 .. first_pos+len(hidden) (and their
-        top-k) from the hidden states at positions first_pos..: the LM head in pieces of ``piece``
-        rows, log-softmax in float32."""
-        k = seq.params.prompt_logprobs or 0
-        targets = seq.token_ids[first_pos + 1 : first_pos + 1 + hidden.shape[0]]
-        target_t = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
-        for lo in range(0, hidden.shape[0], piece):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + piece]).float(), dim=-1)
-            t = target_t[lo : lo + piece]
-            chosen = lp.gather(1, t[:, None]).squeeze(1)
-            ranks = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
-            chosen_l = chosen.tolist()
-            top_v, top_i = (x.tolist() for x in lp.topk(k, dim=-1))
-            for j, tok in enumerate(targets[lo : lo + piece]):
-                entry = {
-                    alt: Logprob(v, r + 1, self._decode_one(alt)) for r, (alt, v) in enumerate(zip(top_i[j], top_v[j]))
-                }
-                entry.setdefault(tok, Logprob(chosen_l[j], ranks[j], self._decode_one(tok)))
-                seq.prompt_logprobs.append(entry)
 
     def _raise_if_fatal(self, error: BaseException) -> None:
         if isinstance(error, EngineDeadError):
