@@ -23,7 +23,9 @@ mkdir -p "$WORK"
 git -C "$ROOT" archive "$SHA" | tar -x -C "$WORK"
 cp "$ROOT/pyproject.toml" "$WORK/pyproject.toml"
 cd "$WORK"
-export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+# mutmut runs the whole selection twice inside its own process before forking the mutants: with
+# the engine's allocator tuning (keep the peak heap) that process grew to 7 GB and was OOM-killed
+export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 TOKENFAB_CPU_MALLOC_TUNING=0
 nice -n 10 "$BIN/mutmut" run --max-children "$JOBS" >"$WORK/run.log" 2>&1 || {
     tail -40 "$WORK/run.log"; exit 1; }
 "$BIN/mutmut" results --all true >"$WORK/results.txt" 2>&1 || true
