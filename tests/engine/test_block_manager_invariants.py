@@ -9,6 +9,7 @@ is pinned by small scenarios written out step by step.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -194,3 +195,23 @@ def test_prefix_caching_off_never_hits():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     bm.free(_run(bm, A))
     assert _hit(bm, A) == 0
+
+
+def test_prefix_counters_and_usage():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    assert (bm.prefix_queries, bm.prefix_hits, bm.usage()) == (0, 0, 0.0)
+    a = _run(bm, A)
+    assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)
+    assert bm.usage() == 3 / 8 and bm.num_used_blocks == 3
+    _hit(bm, A[:8] + [0, 0, 0])
+    assert (bm.prefix_queries, bm.prefix_hits) == (9 + 11, 8)
+    bm.free(a)
+    assert bm.usage() == 0.0
+
+
+def test_cache_of_one_block_works_and_zero_is_refused():
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockManager(num_blocks=0, block_size=BS)
+    bm = BlockManager(num_blocks=1, block_size=BS)
+    s = _run(bm, [1, 2, 3])
+    assert s.block_table == [0] and bm.num_free_blocks == 0

@@ -322,3 +322,21 @@ def test_sample_op_on_an_empty_batch():
     out = sample_ref(torch.empty(0, 10), torch.empty(0), torch.empty(0, dtype=torch.int64), torch.empty(0),
                      torch.empty(0), torch.empty(0, dtype=torch.int64))
     assert out.shape == (0,) and out.dtype == torch.int64
+
+
+@pytest.mark.parametrize("field, ok, bad", [
+    ("temperature", [0.0, 2.5], [-0.01]),
+    ("top_p", [1e-6, 1.0], [0.0, 1.0001]),
+    ("min_p", [0.0, 1.0], [-0.01, 1.01]),
+    ("presence_penalty", [-2.0, 2.0], [-2.01, 2.01]),
+    ("frequency_penalty", [-2.0, 2.0], [-2.01, 2.01]),
+    ("repetition_penalty", [1e-3, 5.0], [0.0, -1.0]),
+    ("logprobs", [0, 20], [-1, 21]),
+    ("min_tokens", [0, 16], [-1, 17]),  # max_tokens is 16: min_tokens may equal it
+])
+def test_parameter_bounds_are_exact_and_errors_name_the_field(field, ok, bad):
+    for v in ok:
+        assert getattr(SamplingParams(**{field: v}), field) == v
+    for v in bad:
+        with pytest.raises(ValueError, match="min_tokens" if field == "min_tokens" else field):
+            SamplingParams(**{field: v})
