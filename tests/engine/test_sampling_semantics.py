@@ -71,6 +71,21 @@ def test_filters_keep_exactly_the_defined_set_with_renormalised_probabilities():
     assert n_differs > 10
 
 
+def test_filters_are_per_row_in_a_batch():
+    """A batch of rows with their own parameters gives each row what it gives alone (and rows
+    with temperature 0 are filtered at temperature 1: the caller takes their argmax)."""
+    rows = _rows(6, 1)
+    params = [(0.7, 3, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 5, 1.0, 0.1), (0.0, 4, 0.8, 0.0),
+              (1.0, 0, 1.0, 0.0), (2.0, 10, 0.95, 0.02)]
+    logits = torch.tensor(np.stack(rows), dtype=torch.float32)
+    cols = list(zip(*params))
+    got = filter_probs_ref(logits, torch.tensor(cols[0]), torch.tensor(cols[1]), torch.tensor(cols[2]),
+                           torch.tensor(cols[3]))
+    for i, (row, (t, k, p, m)) in enumerate(zip(rows, params)):
+        torch.testing.assert_close(got[i], _filter(row, t if t > 0 else 1.0, k, p, m))
+    torch.testing.assert_close(got.sum(-1), torch.ones(6))
+
+
 def test_top_p_never_keeps_a_token_once_the_mass_is_reached():
     """The mutant 'keep tokens past the top-p mass' (or 'stop one short of it') must fail here."""
     probs = np.array([0.5, 0.25, 0.125, 0.0625, 0.04, 0.0225])

@@ -121,6 +121,17 @@ def test_same_seed_same_token_whatever_the_batch(gen, device):
     assert torch.equal(sub, a[2:4])
 
 
+def test_strided_logits_and_a_single_row(gen, device):
+    """A view whose rows are not contiguous (every other column of a wider tensor) samples like
+    its contiguous copy; a batch of one row is sampled too."""
+    wide = torch.randn(4, 600, generator=gen).to(device)
+    view = wide[:, ::2]
+    params = _params(4, gen, device, top_k=20, top_p=0.9)
+    assert torch.equal(sampling._sample_triton(view, *params), sampling.sample_ref(view.contiguous(), *params))
+    one = [x[:1] for x in params]
+    assert torch.equal(sampling._sample_triton(view[:1].contiguous(), *one), sampling.sample_ref(view[:1], *one))
+
+
 def test_empty_batch(device):
     logits = torch.empty(0, 10, device=device)
     params = _params(0, torch.Generator(), device)
