@@ -12,7 +12,14 @@
 # SERVE_REQUESTS (requests per level, default 16), OUTDIR (default benchmarks/results), PORT (8123).
 # The serve part needs the llama.cpp peer built once: scripts/llama_cpp_server.sh build (~6 min on
 # 2 cores; without it, it measures tokenfab alone and says so).
+#
+# OMP_WAIT_POLICY defaults to PASSIVE here, for every process of the run (ours, transformers,
+# llama.cpp alike): these 2 cores are shared (load averages of 10 and more), and OpenMP threads that
+# spin at barriers while their partner is descheduled made llama.cpp 80x slower (32 tokens: 50 s
+# spinning, 0.6 s passive) and our server 3x slower at concurrency 1. Export another value to
+# measure with it.
 set -euo pipefail
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python

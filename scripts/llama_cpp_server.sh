@@ -66,7 +66,7 @@ serve)
 info)
     [ -x "$VENV/bin/python" ] || { echo "no $VENV: run '$0 build' first" >&2; exit 2; }
     "$VENV/bin/python" - "$VENV" "$THREADS" "$N_CTX" "${LLAMA_CPP_MODEL:-$(bundled_gguf)}" <<'EOF'
-import json, sys
+import json, os, sys
 from pathlib import Path
 import llama_cpp
 venv, threads, n_ctx, model = sys.argv[1:5]
@@ -78,6 +78,7 @@ print(json.dumps({
     "cmake_args": args.read_text().strip() if args.exists() else None,
     "n_threads": int(threads), "n_threads_batch": int(threads), "n_ctx": int(n_ctx),
     "model": model, "weights": "the GGUF's own quantization (Q4_1), computed natively",
+    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
 }))
 EOF
     ;;

@@ -33,7 +33,8 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     env = {k: v for k, v in os.environ.items()
-           if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD") or k.startswith(("MALLOC_", "TOKENFAB_"))}
+           if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD")
+           or k.startswith(("MALLOC_", "TOKENFAB_"))}
     if env:
         info["env"] = env  # what changes threads, the allocator or our kernels
     try:
@@ -45,6 +46,14 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (these machines are shared: a run says how busy it was)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfab.bench.common import git_commit
+from tokenfab.bench.common import git_commit, load_average, machine
 from tokenfab.bench.serve_client import RequestResult, one_plain, one_streamed
 
 _WORDS = (
@@ -180,10 +180,10 @@ async def _level(client: Any, args: argparse.Namespace, target: Target, concurre
                 return
             results.append(await _request(client, args, target, prompt, stream))
 
-    t0 = time.perf_counter()
+    load0, t0 = load_average(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     row = {"server": target.label, "concurrency": concurrency, "stream": stream,
-           **summarize_level(results, time.perf_counter() - t0)}
+           **summarize_level(results, time.perf_counter() - t0), "load_1m": [load0, load_average()]}
     print(f"{target.label} concurrency {concurrency} ({'streamed' if stream else 'not streamed'}): "
           f"{row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f}s, "
           f"{row['output_throughput']:.1f} output tok/s", file=sys.stderr, flush=True)
@@ -331,8 +331,7 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
         "num_requests": args.num_requests,
         "warmup_requests": args.warmup,
         "itl": "per token: a chunk of k tokens after a gap dt gives k intervals of dt/k (bench/serve_client.py)",
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
+        "machine": {**machine(), "processor": platform.processor() or platform.machine()},
         "commit": git_commit(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
@@ -340,7 +339,9 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
     names = " vs ".join(f"{t.label} ({t.model})" for t in targets)
     text = [f"{names} · {args.endpoint} · ~{args.input_len} words in, {args.output_len} tokens out · "
             f"{args.num_requests} requests per level · {args.warmup} warm-up request(s) each · commit "
-            f"{report['commit']} · {report['machine']['processor']}, {report['machine']['cpus']} CPUs", "",
+            f"{report['commit']} · {report['machine'].get('cpu') or report['machine']['processor']}, "
+            f"{report['machine']['cpus']} CPUs" + (f" · env {report['machine']['env']}" if report['machine'].get('env')
+                                                   else ""), "",
             markdown_table(results), "", "ITL is per token (a chunk of k tokens after a gap dt counts k intervals "
             "of dt/k); TTFT/TPOT/ITL exist only for streamed rows.", "", "Servers:", ""]
     text += [f"- {t.label} at {t.root} (model {t.model}" + (f"; streamed up to concurrency {t.stream_up_to}, "

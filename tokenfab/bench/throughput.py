@@ -32,7 +32,7 @@ import random
 import statistics
 import time
 
-from tokenfab.bench.common import git_commit, machine, markdown_table, write_json
+from tokenfab.bench.common import git_commit, load_average, machine, markdown_table, write_json
 
 ALLOCATOR_SETTINGS = ("tuned", "default")
 
@@ -129,6 +129,7 @@ def run_tokenfab(args: argparse.Namespace, allocator: str = "tuned") -> tuple[di
                 "max_num_batched_tokens": args.max_num_batched_tokens, "allocator_tuned": tuned,
                 "warmup": f"{len(warm)} fresh prompts x {args.warmup_tokens} tokens", **_threads()}
     res = {"engine": "tokenfab", "allocator": allocator, "seconds": dt, "output_tokens": n_out,
+           "load_1m": load_average(),
            "output_tok_s": n_out / dt, "total_tok_s": (n_out + sum(map(len, prompts))) / dt, "settings": settings}
     return res, prompts, warm, llm
 
@@ -190,6 +191,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]], path, b
                 "decoding": "greedy, min_new_tokens = max_new_tokens", "device": str(device),
                 "warmup": f"{len(warm or [])} fresh prompts x {args.warmup_tokens} tokens", **_threads()}
     return {"engine": f"transformers (batch {batch_size})", "seconds": dt, "output_tokens": n_out,
+            "load_1m": load_average(),
             "output_tok_s": n_out / dt, "total_tok_s": (n_out + sum(map(len, prompts))) / dt, "settings": settings}
 
 
@@ -269,10 +271,10 @@ def run(args: argparse.Namespace) -> int:
            f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each; {where}; "
            f"warm-up {args.warmup_requests} fresh prompts x {args.warmup_tokens} tokens each side", ""]
     rows = [[i + 1, rnd["allocator"], r["engine"], r["settings"].get("torch_threads"), r["output_tokens"],
-             r["seconds"], r["output_tok_s"], r["total_tok_s"]]
+             r["seconds"], r["output_tok_s"], r["total_tok_s"], r.get("load_1m")]
             for i, rnd in enumerate(rounds) for r in rnd["results"]]
-    out.append(markdown_table(["run", "allocator", "engine", "threads", "output tokens", "seconds", "output tok/s",
-                               "total tok/s"], rows))
+    out.append(markdown_table(["round", "allocator", "engine", "threads", "output tokens", "seconds", "output tok/s",
+                               "total tok/s", "load (1 min)"], rows))
     summary = {alloc: summarize([r for r in rounds if r["allocator"] == alloc]) for alloc in settings}
     for alloc, s in summary.items():
         if s["ratio_median"] is not None:
