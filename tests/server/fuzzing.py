@@ -96,7 +96,8 @@ def _fuzz_operation(op: Any, mode: Any, report: FuzzReport, max_examples: int, s
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=seed == 0,
               suppress_health_check=list(HealthCheck), print_blob=False)
     def fuzz(case: Any) -> None:
-        if cap is not None and mode == GenerationMode.POSITIVE and case.body is not None:
+        if (cap is not None and mode == GenerationMode.POSITIVE and case.body is not None
+                and op.path in ("/v1/completions", "/v1/chat/completions")):
             case.body = _cap_generation(case.body, cap)
         resp = case.call(**call_kwargs)
         report.requests += 1

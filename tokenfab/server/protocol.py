@@ -180,7 +180,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
