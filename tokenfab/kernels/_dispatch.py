@@ -1,30 +1,87 @@
-"""Choosing between a kernel's Triton implementation and its PyTorch reference.
+"""The one rule that chooses a kernel's implementation: Triton, the native C CPU kernel, or the
+plain PyTorch reference (ARCHITECTURE.md, kernel rule 3).
 
-Rule (ARCHITECTURE.md, kernel rule 3): CUDA tensors run Triton; CPU tensors run the
-reference, which is the fast CPU path. ``TOKENFAB_KERNELS=triton`` forces Triton (the
-interpreter on CPU, with ``TRITON_INTERPRET=1``); ``TOKENFAB_KERNELS=torch`` forces the
-reference everywhere.
+``backend(t, native)`` answers for an op whose first tensor argument is ``t``:
+
+- ``TOKENFAB_KERNELS=triton``: "triton" for every op (the interpreter on CPU, ``TRITON_INTERPRET=1``).
+- ``TOKENFAB_KERNELS=torch``: "reference" for every op: no Triton kernel and no C kernel runs.
+- ``auto`` (default): CUDA tensors "triton"; CPU tensors "native" when the op has a C kernel
+  (``native=True``, ``kernels/cpu``) and the C kernels are enabled (``TOKENFAB_CPU_NATIVE``), else
+  "reference". A C wrapper that cannot take the tensors (dtype, layout, no compiler) returns None
+  and the reference runs.
+
+Every op follows it: the registered custom ops (``torch.ops.tokenfab.*``, what ``torch.compile``
+traces) in their bodies, and the eager entry points (``eager_op``: what layers call, skipping the
+custom-op dispatcher on CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import Literal
 
 import torch
+
+from tokenfab.kernels.cpu import enabled as native_enabled
+
+Backend = Literal["triton", "native", "reference"]
+MODES = ("auto", "triton", "torch")
 
 
 def kernel_mode() -> str:
     mode = os.environ.get("TOKENFAB_KERNELS", "auto").lower()
-    if mode not in ("auto", "triton", "torch"):
+    if mode not in MODES:
         raise ValueError(f"TOKENFAB_KERNELS must be auto, triton or torch, not {mode!r}")
     return mode
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when the op on tensor ``t`` should run its Triton kernel."""
+def backend(t: torch.Tensor, native: bool = False) -> Backend:
+    """The implementation of an op on tensor ``t``; ``native``: the op has a C CPU kernel."""
     mode = kernel_mode()
     if mode == "triton":
-        return True
+        return "triton"
     if mode == "torch":
-        return False
-    return t.is_cuda
+        return "reference"
+    if t.is_cuda:
+        return "triton"
+    return "native" if native and native_enabled() else "reference"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """``backend(t) == "triton"`` (the registered ops' bodies: Triton or the reference)."""
+    return backend(t) == "triton"
+
+
+def choose(t: torch.Tensor, triton_fn: Callable, native_fn: Callable | None, ref_fn: Callable, *args, **kwargs):
+    """Run the implementation ``backend(t)`` picks on ``args``; a native function that returns None
+    (it cannot take these tensors) falls back to the reference."""
+    choice = backend(t, native=native_fn is not None)
+    if choice == "triton":
+        return triton_fn(*args, **kwargs)
+    if choice == "native":
+        out = native_fn(*args, **kwargs)  # type: ignore[misc]
+        if out is not None:
+            return out
+    return ref_fn(*args, **kwargs)
+
+
+def eager_op(op: Callable, ref: Callable, native_op: Callable | None = None) -> Callable:
+    """An op's eager entry point (what layers call), dispatched by ``backend`` on its first argument.
+
+    ``op`` is the registered custom op (Triton inside its body), which is also what runs under
+    ``torch.compile``; ``native_op`` (same signature) returns None for tensors it cannot take.
+    On CPU this skips the custom-op dispatcher (tens of microseconds a call, which adds up to
+    milliseconds a step over a model's ~200 op calls).
+    """
+
+    @functools.wraps(ref)
+    def call(first: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return op(first, *args, **kwargs)
+        return choose(first, op, native_op, ref, first, *args, **kwargs)
+
+    call.op = op  # type: ignore[attr-defined]
+    call.ref = ref  # type: ignore[attr-defined]
+    return call

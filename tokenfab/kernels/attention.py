@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import choose
 from tokenfab.kernels.attention_decode import _paged_decode_attention_triton, decode_config
 from tokenfab.kernels.attention_prefill import PREFILL_TILES, _prefill_attention_triton, prefill_config
 from tokenfab.kernels.attention_ref import (
@@ -43,6 +43,7 @@ __all__ = [
     "decode_config",
     "paged_attention",
     "paged_attention_cpu",
+    "paged_attention_native",
     "paged_attention_ref",
     "paged_decode_attention_ref",
     "prefill_attention_ref",
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 
-def paged_attention_cpu(
+def paged_attention_native(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -63,18 +64,36 @@ def paged_attention_cpu(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The CPU fast path of ``paged_attention``: the native C kernel (``kernels/cpu``), which reads
-    the pages in place for decode rows and prefill chunks alike, in one call per layer. Falls back
-    to the reference where the native kernel is unavailable."""
-    if not native_attention.supports(q, k_cache, v_cache) or q.shape[0] == 0:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-                                   max_context_len, scale, sliding_window, softcap, sinks)
+) -> torch.Tensor | None:
+    """The native C kernel (``kernels/cpu``), which reads the pages in place for decode rows and
+    prefill chunks alike, in one call per layer; None where it cannot take the tensors."""
+    if q.shape[0] == 0 or not native_attention.supports(q, k_cache, v_cache):
+        return None
     if max_query_len == 1:
         return native_attention.paged_decode_attention_native(
             q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks)
     return native_attention.paged_attention_native(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                                    scale, sliding_window, softcap, sinks)
+
+
+def paged_attention_cpu(*args, **kwargs) -> torch.Tensor:
+    """The native kernel where it takes the tensors, else the reference (``paged_attention_ref``'s
+    signature), whatever ``TOKENFAB_KERNELS`` says (tests of the C kernel call it directly)."""
+    out = paged_attention_native(*args, **kwargs)
+    return out if out is not None else paged_attention_ref(*args, **kwargs)
+
+
+def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
+                            max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None) -> torch.Tensor:
+    """Decode-only steps run the split-KV decode kernel, any other step the prefill kernel."""
+    if max_query_len == 1:
+        return _paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, sliding_window, softcap, sinks,
+        )
+    return _prefill_attention_triton(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
+        sliding_window, softcap, sinks,
+    )
 
 
 @torch.library.custom_op("tokenfab::paged_attention", mutates_args=())
@@ -93,20 +112,9 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model's one attention call per layer per step (mixed prefill/decode batch)."""
-    if use_triton(q):
-        if max_query_len == 1:
-            return _paged_decode_attention_triton(
-                q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale,
-                sliding_window, softcap, sinks,
-            )
-        return _prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-            max_context_len, scale, sliding_window, softcap, sinks,
-        )
-    return paged_attention_cpu(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-        max_context_len, scale, sliding_window, softcap, sinks,
-    )
+    return choose(q, _paged_attention_triton, paged_attention_native, paged_attention_ref, q, k_cache, v_cache,
+                  block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale, sliding_window,
+                  softcap, sinks)
 
 
 @paged_attention.register_fake

@@ -19,20 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.forward_batch import ForwardBatch
-from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.dsa import (
-    dsa_sparse_attention,
-    dsa_sparse_attention_ref,
-    dsa_topk_indices,
-    dsa_topk_indices_ref,
-)
+from tokenfab.kernels import dsa_sparse_attention, dsa_topk_indices
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAAttention, MultiHeadLatentAttention
 from tokenfab.layers.rotary import RotaryEmbedding
-
-
-def _eager_ref(t: torch.Tensor) -> bool:
-    return not (torch.compiler.is_compiling() or use_triton(t))
 
 
 class LayerNorm(nn.Module):
@@ -100,9 +90,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if self.indexer is not None:
             q_idx, k_idx, w = self.indexer.project(x, q_resid, batch.positions)
             cache = self.attn.store(latent, torch.cat((k_pe, k_idx.to(k_pe.dtype)), dim=-1), batch)
-            fn = dsa_topk_indices_ref if _eager_ref(q_idx) else dsa_topk_indices
-            indices = fn(q_idx, w, cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
-                         batch.max_query_len, batch.max_context_len, r + self.qk_rope_head_dim, self.indexer.topk)
+            indices = dsa_topk_indices(q_idx, w, cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+                                       batch.max_query_len, batch.max_context_len, r + self.qk_rope_head_dim,
+                                       self.indexer.topk)
         else:
             cache = self.attn.store(latent, k_pe, batch)
             source = self._topk_source[0]
@@ -110,6 +100,6 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             indices = source.last_indices
         self.last_indices = indices
         qa = self.attn.absorb(q_nope, q_pe, self.kv_b_proj.weight)
-        fn = dsa_sparse_attention_ref if _eager_ref(qa) else dsa_sparse_attention
-        o_lat = fn(qa, cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, indices, self.attn.scale, r)
+        o_lat = dsa_sparse_attention(qa, cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, indices,
+                                     self.attn.scale, r)
         return self.o_proj(self.attn.expand_out(o_lat, self.kv_b_proj.weight))

@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.forward_batch import ForwardBatch
-from tokenfab.kernels import paged_attention
-from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.mla import mla_attention, mla_attention_ref, store_latent, store_latent_ref
+from tokenfab.kernels import mla_attention, paged_attention, store_latent
 from tokenfab.kernels.paged import gather_kv
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
@@ -38,10 +36,8 @@ from tokenfab.layers.rotary import RotaryEmbedding
 
 def mla_attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
                kv_lora_rank: int) -> torch.Tensor:
-    """The registered op under torch.compile / on Triton tensors, the reference directly otherwise
-    (skipping the custom-op dispatcher on the eager CPU path, as ``tokenfab.kernels`` does)."""
-    fn = mla_attention if torch.compiler.is_compiling() or use_triton(q) else mla_attention_ref
-    return fn(q, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, batch.max_query_len,
+    """MLA over the latent cache (``kernels.mla_attention``: Triton or the reference by the kernel rule)."""
+    return mla_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, batch.max_query_len,
               batch.max_context_len, scale, kv_lora_rank)
 
 
@@ -77,8 +73,7 @@ class MLAAttention(nn.Module):
     def store(self, latent: torch.Tensor, rest: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Write latent [T, r] and ``rest`` [T, rope (+ extra)] into the tokens' slots; returns the cache."""
         assert self.kv_cache is not None, "MLA cache not bound: the model runner binds kv_cache"
-        fn = store_latent if torch.compiler.is_compiling() or use_triton(latent) else store_latent_ref
-        fn(latent, rest, self.kv_cache, batch.slot_mapping)
+        store_latent(latent, rest, self.kv_cache, batch.slot_mapping)
         return self.kv_cache
 
     def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
