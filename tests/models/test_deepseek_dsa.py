@@ -1,7 +1,8 @@
 """DeepSeek-V3.2 and GLM-MoE-DSA (DeepSeek Sparse Attention over MLA): logits equal transformers' (fp32)
 at prefill and over 5 decode steps with a top-k smaller than the context (so the selection matters);
-greedy generations equal alone, batched, with chunked prefill and prefix-cache hits; the cache holds
-latent + rope key + index key per token."""
+greedy generations equal alone, batched, with chunked prefill and prefix-cache hits; batches of contexts
+longer than index_topk beside short ones, with mixed prefill + decode steps, equal transformers per request
+(reference and Triton paths); the cache holds latent + rope key + index key per token."""
 
 from __future__ import annotations
 
