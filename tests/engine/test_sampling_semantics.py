@@ -355,3 +355,73 @@ def test_parameter_bounds_are_exact_and_errors_name_the_field(field, ok, bad):
     for v in bad:
         with pytest.raises(ValueError, match="min_tokens" if field == "min_tokens" else field):
             SamplingParams(**{field: v})
+
+
+# ---- logit_bias, constraints, logprobs ---------------------------------------------------------
+
+
+def test_logit_bias_is_added_to_the_logits_per_row():
+    """OpenAI: the bias is added to the logits before sampling; -100 in effect bans a token and
+    +100 forces it."""
+    row = np.array([2.0, 1.5, 0.0, -1.0, 0.5])
+    biases = [{1: 1.0}, {0: -100.0}, {3: 100.0}, {}, {0: -0.25, 4: 1.5}]
+    logits = torch.tensor(row, dtype=torch.float32).expand(len(biases), 5).contiguous()
+    seqs = [_seq(SamplingParams(temperature=0, logit_bias=b or None), seed=i) for i, b in enumerate(biases)]
+    want = []
+    for b in biases:
+        biased = row.copy()
+        for tok, val in b.items():
+            biased[tok] += val
+        want.append(int(biased.argmax()))
+    assert sample_next(logits, seqs, []).token_ids == want == [1, 1, 3, 0, 4]
+    banned = _draw(row, SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0}), 500)
+    assert banned[0] == banned[1] == 0 and banned.sum() == 500
+
+
+def test_min_tokens_of_one_bans_eos_for_the_first_token():
+    row = torch.tensor(_min_tokens_row(), dtype=torch.float32)[None]
+    assert sample_next(row.clone(), [_seq(SamplingParams(temperature=0, min_tokens=1))], [EOS]).token_ids == [STOP]
+    assert sample_next(row.clone(), [_seq(SamplingParams(temperature=0, min_tokens=1), output=[4])],
+                       [EOS]).token_ids == [EOS]
+
+
+class _OnlyToken:
+    """A grammar-like constraint that allows a single token."""
+
+    def __init__(self, tok: int) -> None:
+        self.tok = tok
+
+    def mask_logits(self, logits) -> None:
+        keep = logits[self.tok].clone()
+        logits.fill_(float("-inf"))
+        logits[self.tok] = keep
+
+    def accept_token(self, token_id: int) -> None: ...
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_a_constraint_masks_only_its_own_row():
+    row = torch.tensor([[3.0, 1.0, 0.0, -2.0]]).expand(3, 4).contiguous()
+    seqs = [_seq(SamplingParams(temperature=0, constraint=_OnlyToken(3))),
+            _seq(SamplingParams(temperature=2.0, constraint=_OnlyToken(2)), seed=5),
+            _seq(SamplingParams(temperature=0))]
+    assert sample_next(row, seqs, []).token_ids == [3, 2, 0]
+
+
+def test_logprobs_are_of_the_raw_logits_with_the_rank_of_the_chosen_token():
+    """The chosen token's logprob and rank (1 + how many tokens are more likely) come from the raw
+    distribution, also when a ban made the sampler pick a less likely token."""
+    row = _min_tokens_row()
+    lp = np.log(np.exp(row - row.max()) / np.exp(row - row.max()).sum())
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[STOP], logprobs=2)
+    out = sample_next(torch.tensor(row, dtype=torch.float32)[None], [_seq(params)], [EOS])
+    (chosen_lp, rank, top), = out.logprobs
+    assert out.token_ids == [6] and rank == 3  # EOS and the stop id are more likely
+    assert abs(chosen_lp - lp[6]) < 1e-5
+    assert [t for t, _ in top] == [EOS, STOP] and all(abs(v - lp[t]) < 1e-5 for t, v in top)
+    params = SamplingParams(temperature=0, logprobs=0)
+    (chosen_lp, rank, top), = sample_next(torch.tensor(row, dtype=torch.float32)[None], [_seq(params)],
+                                          [EOS]).logprobs
+    assert rank == 1 and top == [] and abs(chosen_lp - lp[EOS]) < 1e-5

@@ -245,3 +245,42 @@ def test_added_requests_wait_and_finish_removes_them_from_any_queue():
     s.finish(a)  # finished while running
     assert s.running == [] and not s.has_unfinished()
     assert s.bm.num_free_blocks == s.bm.num_blocks and s.bm.usage() == 0.0
+
+
+def test_a_request_that_preempts_itself_leaves_the_rest_of_the_step_alone():
+    """r1 (priority 5, decoding) needs a block and is itself the lowest priority: it goes back to
+    the queue, and r2's prompt chunk after it in the step's order still runs."""
+    s = make(num_blocks=3, budget=8, block_size=8)
+    s.add(req(0, 1))
+    s.add(req(1, 7, priority=5))
+    assert step(s) == {"r0": 1, "r1": 7}
+    s.add(req(2, 20))
+    assert step(s) == {"r0": 1, "r1": 1, "r2": 6}
+    assert step(s) == {"r0": 1, "r2": 7}
+    assert [q.request_id for q in step.last.preempted] == ["r1"]
+
+
+def test_decodes_beyond_the_budget_wait_and_a_prompt_of_one_token_is_a_prefill():
+    s = make(budget=2)
+    for i in range(3):
+        s.add(req(i, 1))
+    assert step(s) == {"r0": 1, "r1": 1}
+    b = step.last
+    assert (b.num_prefill_tokens, b.num_decode_tokens) == (2, 0)  # one-token prompts are prefills
+    assert step(s) == {"r0": 1, "r1": 1}  # the budget ends the step: r2 is not scheduled with 0 tokens
+    assert (step.last.num_prefill_tokens, step.last.num_decode_tokens) == (0, 2)
+
+
+def test_preemptions_are_counted_per_request():
+    s = make(num_blocks=6)
+    seqs = [req(i, 7) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    step(s)
+    step(s)
+    step(s)  # r2 preempted once
+    s.finish(seqs[0])
+    step(s)  # r2 back (9 tokens: 3 blocks), r1 decoding
+    while seqs[2].num_preemptions < 2:
+        step(s)
+    assert seqs[2].num_preemptions == 2 and s.num_preemptions_total == 2
