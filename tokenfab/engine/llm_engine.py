@@ -402,8 +402,8 @@ class LLMEngine:
                 return self._finish(seq, "stop", token)
             if stop_token:
                 return self._finish(seq, "stop", token)
-            if p.constraint is not None and p.constraint.is_terminated():
-                return self._finish(seq, "stop")
+        if p.constraint is not None and p.constraint.is_terminated():  # it accepts nothing more: min_tokens yields
+            return self._finish(seq, "stop")
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return self._finish(seq, "length")
         if seq.num_tokens >= self.max_model_len:

@@ -5,9 +5,10 @@
 2. penalties: first repetition on the prompt and generated tokens (divide positive logits,
    multiply negative ones; CTRL/transformers), then frequency and presence on the generated
    tokens (OpenAI's definition);
-3. ``min_tokens``: until a request has generated that many tokens, its EOS and ``stop_token_ids``
-   are masked to -inf (stop strings are not checked before then either; see LLMEngine);
-4. the grammar constraint masks its row;
+3. the grammar constraint masks its row;
+4. ``min_tokens``: until a request has generated that many tokens, its EOS and ``stop_token_ids``
+   are masked to -inf (stop strings are not checked before then either; see LLMEngine), except
+   where that would leave a constrained row nothing to draw (its grammar is complete: it ends);
 5. the filters and the draw (``kernels.sampling``): temperature, then top-k, then top-p on the
    renormalised top-k distribution, then min-p; temperature 0 is the argmax. ``top_k`` larger than
    the vocabulary is off.
@@ -107,6 +108,17 @@ def _min_tokens_mask(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[i
         logits[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
 
 
+def _grammar_over_min_tokens(logits: torch.Tensor, rows: list[int], unbanned: torch.Tensor) -> None:
+    """A grammar whose document is complete allows only the tokens that end it (EOS), which
+    ``min_tokens`` bans: such a row has nothing left to draw. The grammar wins there (vLLM's
+    structured output cannot be extended either): the row gets its grammar-masked logits back, the
+    request ends as its grammar terminates, and it never draws a token the grammar rejects."""
+    idx = torch.tensor(rows, device=logits.device)
+    empty = ~torch.isfinite(logits[idx]).any(dim=-1)
+    if bool(empty.any()):
+        logits[idx[empty]] = unbanned[empty]
+
+
 def _needs_edit(s: Sequence) -> bool:
     return s.edits_logits or (s.params.min_tokens > 0 and s.num_output_tokens < s.params.min_tokens)
 
@@ -121,10 +133,13 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
         logits = logits.clone()  # edits below are in place; the caller's tensor stays raw
         apply_logit_bias(logits, seqs)
         logits = apply_penalties(logits, seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.params.constraint is not None]
+        for i in constrained:
+            seqs[i].params.constraint.mask_logits(logits[i])
+        saved = logits[constrained] if constrained else None  # a copy (advanced indexing)
         _min_tokens_mask(logits, seqs, eos_ids)
-        for i, s in enumerate(seqs):
-            if s.params.constraint is not None:
-                s.params.constraint.mask_logits(logits[i])
+        if constrained:
+            _grammar_over_min_tokens(logits, constrained, saved)
     if all(s.params.temperature == 0.0 for s in seqs):
         tokens = argmax(logits)
     else:

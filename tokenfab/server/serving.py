@@ -10,6 +10,7 @@ one-thread pool, off the event loop (a megabyte prompt must not stall every othe
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -47,7 +48,10 @@ class OpenAIServer:
         self.config = config or ServerConfig()
         if self.config.max_waiting is not None:
             engine.max_waiting = self.config.max_waiting
-        self.tokenizer = engine.tokenizer
+        # The server's own copy: the engine thread detokenizes with the engine's tokenizer while the
+        # pool below tokenizes, and a fast tokenizer shared by two threads can fail with "Already
+        # borrowed" (its Rust object takes a mutable borrow when its settings change).
+        self.tokenizer = _own_copy(engine.tokenizer)
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
@@ -56,8 +60,7 @@ class OpenAIServer:
         engine.on_finished = self.metrics.on_finished
         self._structured: Any = None
         self._structured_lock = asyncio.Lock()
-        # One worker: the event loop stays free, which is the point; a fast tokenizer shared by
-        # several threads can fail with "Already borrowed" when one of them changes its settings.
+        # One worker: the event loop stays free, which is the point, and the copy is used by one thread.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-tok")
         self.created = int(time.time())
 
@@ -242,3 +245,13 @@ class OpenAIServer:
 
     def models(self) -> dict[str, Any]:
         return ModelList(data=[self.model_card()]).model_dump()
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A private deep copy of the engine's tokenizer (the same one when it cannot be copied)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # a tokenizer object that refuses to be copied: share it (and risk the race)
+        return tokenizer
