@@ -202,3 +202,24 @@ def test_references_in_token_chunks(gen, monkeypatch):
     monkeypatch.setattr(dsa, "REF_CHUNK_ELEMENTS", 1000)  # a few tokens a chunk
     torch.testing.assert_close(dsa.dsa_index_scores_ref(q_idx, w, cache, bt, cu, ctx, 20, 52, R + ROPE), scores)
     torch.testing.assert_close(dsa.dsa_sparse_attention_ref(q, cache, bt, cu, ctx, idx, 0.2, R), sparse)
+
+
+def test_topk_reference_ties_do_not_depend_on_the_row_width(gen):
+    """Ties at the k-th score go to the lowest positions in the reference too (0.0 == -0.0), and a row
+    padded with invisible keys (a short sequence batched beside a long one) selects what it selects alone."""
+    scores = torch.tensor([[0.0, -1.0, 2.0, -0.0, 0.0, -3.0, 5.0, 0.0]])
+    assert sorted(dsa.select_topk(scores, 4)[0].tolist()) == [0, 2, 3, 6]
+    ties = torch.zeros(4, 13)
+    ties[:, 6] = torch.randn(4, generator=gen).abs() + 1
+    ties[1, 2::3] = -0.0
+    for width in (13, 20, 64, 200):
+        padded = torch.cat([ties, torch.full((4, width - 13), float("-inf"))], dim=1)
+        for k in (3, 6):
+            got = [sorted(r) for r in dsa.select_topk(padded, k).tolist()]
+            assert got == [[0, 1, 6][:k] if k == 3 else [0, 1, 2, 3, 4, 6]] * 4, (width, k, got)
+
+
+def test_topk_triton_signed_zero_ties(device):
+    scores = torch.tensor([[-0.0, 0.0, -0.0, 1.0, 0.0]], device=device)
+    assert sorted(dsa._dsa_topk_triton(scores, 3)[0].tolist()) == [0, 1, 3]
+    assert sorted(dsa.select_topk(scores, 3)[0].tolist()) == [0, 1, 3]

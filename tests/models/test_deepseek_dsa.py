@@ -29,11 +29,11 @@ CASES = {
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
 
 
-def save_tiny_dsa(model_type: str, path, seed: int = 0):
+def save_tiny_dsa(model_type: str, path, seed: int = 0, **overrides):
     import transformers
 
     cls = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}[model_type]
-    config = cls(**{**DSA_COMMON, **CASES[model_type]})
+    config = cls(**{**DSA_COMMON, **CASES[model_type], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -106,6 +106,25 @@ def test_batched_long_and_short_contexts_match_transformers(tiny):
     tokens, logprobs, batches = run_batch(engine, BATCH_PROMPTS, 10, BATCH_ARRIVALS)
     assert paths_reached(batches, hf.config.index_topk) == ALL_PATHS
     assert_batch_matches_hf(hf, BATCH_PROMPTS, tokens, logprobs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_indexer_ties_do_not_depend_on_the_batch(case, tmp_path):
+    """Two indexer heads: a key scores exactly 0 whenever both ReLUs are 0 (about a quarter of the keys),
+    so the k-th score is often a tie. The top-k broke ties by ``torch.topk``'s own order, which depends
+    on the row's width: a short sequence padded to a long neighbour's width selected other keys than
+    alone, and its tokens changed when batched. Ties now go to the lowest positions, in any batch."""
+    save_tiny_dsa(case, tmp_path, index_n_heads=2)
+    engine = _engine(tmp_path)
+    prompts = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8], list(range(30, 43)), [250, 3, 9, 77, 12, 5, 6, 1, 4]]
+    alone = [run_batch(engine, [p], 12) for p in prompts]
+    tokens, logprobs, _ = run_batch(engine, prompts, 12)
+    for i, (one_tokens, one_logprobs, _) in enumerate(alone):
+        assert tokens[i] == one_tokens[0], f"request {i}: batched {tokens[i]} != alone {one_tokens[0]}"
+        for s, (got, ref) in enumerate(zip(logprobs[i], one_logprobs[0])):
+            assert got.keys() == ref.keys(), (i, s)
+            torch.testing.assert_close(torch.tensor(list(got.values())), torch.tensor(list(ref.values())),
+                                       atol=1e-4, rtol=0)
 
 
 def test_through_triton_kernels(tmp_path, monkeypatch):

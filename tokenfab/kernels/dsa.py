@@ -17,8 +17,9 @@ Triton: the indexer scores run as one program per (query token, key block), ``Hi
 (a [Hi, di] x [di, BLOCK_N] product, ReLU, weighted head sum), into a [T, max_context_len] fp32
 score row per token; then one program per token selects its top-k by bisecting for the k-th largest
 score over order-preserving int32 keys (32 counting passes over the row, L2-resident), writing the
-positions above it and then ties (lowest first). The selection is a set: the Triton path returns
-it unsorted, the reference (``torch.topk``) sorted by score. The sparse attention kernel is MLA's
+positions above it and then ties (lowest first). The reference picks the same set (ties to the lowest
+positions, never ``torch.topk``'s width-dependent choice, so a selection does not depend on the batch);
+the Triton path returns it unsorted, the reference sorted by score. The sparse attention kernel is MLA's
 split-KV kernel walking the token's index list instead of a contiguous key range (one page lookup
 per selected key), with MLA's reduce.
 """
@@ -85,14 +86,26 @@ def dsa_index_scores_ref(
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """[T, L] scores (-inf: not visible) -> [T, topk] int32 key positions, -1 where fewer keys are visible."""
+    """[T, L] scores (-inf: not visible) -> [T, topk] int32 key positions, -1 where fewer keys are visible.
+
+    Ties at the k-th score go to the lowest positions (0.0 and -0.0 are one score), as in the Triton
+    kernel. ``torch.topk`` alone breaks ties by its own algorithm, which depends on the row's width:
+    a short sequence padded to a long neighbour's width picked other keys than alone (the indexer's
+    ReLU makes exact ties common), so its output depended on the batch. Here each score becomes a
+    unique int64 key (the score's order-preserving bits, then the position), whose top-k is one
+    well-defined set."""
     t, n = scores.shape
     k = min(topk, n)
     out = torch.full((t, topk), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or t == 0:
         return out
-    vals, idx = scores.topk(k, dim=-1)
-    out[:, :k] = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+    s = scores.float() + 0.0  # -0.0 + 0.0 = +0.0
+    bits = s.contiguous().view(torch.int32)
+    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    pos = torch.arange(n, device=scores.device, dtype=torch.int64)
+    _, idx = ((order << 32) | (0x7FFFFFFF - pos)).topk(k, dim=-1)
+    visible = s.gather(1, idx) > float("-inf")
+    out[:, :k] = torch.where(visible, idx, -1).to(torch.int32)
     return out
 
 
@@ -209,6 +222,7 @@ def _dsa_index_scores_triton(
 def _sortable_key(x):
     """fp32 -> int32 with the same order (flip the magnitude bits of negatives)."""
     bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 is the same score as 0.0
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
