@@ -425,3 +425,36 @@ def test_logprobs_are_of_the_raw_logits_with_the_rank_of_the_chosen_token():
     (chosen_lp, rank, top), = sample_next(torch.tensor(row, dtype=torch.float32)[None], [_seq(params)],
                                           [EOS]).logprobs
     assert rank == 1 and top == [] and abs(chosen_lp - lp[EOS]) < 1e-5
+
+
+INT_FIELDS = ["n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"]
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+
+
+@pytest.mark.parametrize("field", INT_FIELDS + FLOAT_FIELDS)
+def test_wrong_types_and_non_finite_values_are_refused_by_name(field):
+    bad = ["3", True, 1.5] if field in INT_FIELDS else ["0.5", True, None, float("nan"), float("inf")]
+    if field == "top_k":
+        bad = ["3", True, 1.5]  # None and negatives mean "off"
+    for v in bad:
+        with pytest.raises(ValueError, match=rf"^{field} must"):
+            SamplingParams(**{field: v})
+    if field == "seed":
+        assert SamplingParams(seed=0).seed == 0
+    if field in ("max_tokens", "prompt_logprobs", "logprobs"):
+        assert getattr(SamplingParams(**{field: 0}), field) == 0
+
+
+def test_list_fields_and_logit_bias_are_checked_item_by_item():
+    for kwargs, msg in [(dict(stop=5), "^stop must"), (dict(stop=["a", ""]), "^stop must"),
+                        (dict(stop=["a", 3]), "^stop must"), (dict(stop_token_ids=7), "^stop_token_ids must"),
+                        (dict(stop_token_ids=[1, -1]), "^stop_token_ids must"),
+                        (dict(stop_token_ids=[1, "2"]), "^stop_token_ids must"),
+                        (dict(logit_bias=[1, 2]), "^logit_bias must"),
+                        (dict(logit_bias={"x": 1.0}), "^logit_bias keys"),
+                        (dict(logit_bias={True: 1.0}), "^logit_bias keys"), (dict(logit_bias={-1: 1.0}), "^logit_bias"),
+                        (dict(logit_bias={5: 100.5}), "^logit_bias values"),
+                        (dict(logit_bias={5: "1"}), "^logit_bias")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kwargs)
+    assert SamplingParams(logit_bias={" 12 ": -100, 3: 100.0}).logit_bias == {12: -100, 3: 100.0}
