@@ -20,6 +20,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+def git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes to tracked files (what ran is then not exactly
+    the commit: a shared checkout holds other people's work in progress)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+        return bool(out.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "cpus": os.cpu_count()}

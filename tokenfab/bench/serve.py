@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfab.bench.common import git_commit, load_average, machine
+from tokenfab.bench.common import git_commit, git_dirty, load_average, machine
 from tokenfab.bench.serve_client import RequestResult, one_plain, one_streamed
 
 _WORDS = (
@@ -299,6 +299,7 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
     ours = Target(args.label or "tokenfab", _root(args.base_url), args.model, settings=_settings(args.settings))
     targets = [ours]
     launched = None
+    commit, dirty = git_commit(), git_dirty()  # at the start (HEAD may move during a long run)
     try:
         if args.llama_cpp:
             from tokenfab.bench import llama_cpp_peer
@@ -332,7 +333,8 @@ def run(args: argparse.Namespace, transport: Any = None) -> int:
         "warmup_requests": args.warmup,
         "itl": "per token: a chunk of k tokens after a gap dt gives k intervals of dt/k (bench/serve_client.py)",
         "machine": {**machine(), "processor": platform.processor() or platform.machine()},
-        "commit": git_commit(),
+        "commit": commit,
+        "uncommitted_changes": dirty,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
     }

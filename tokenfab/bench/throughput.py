@@ -32,7 +32,7 @@ import random
 import statistics
 import time
 
-from tokenfab.bench.common import git_commit, load_average, machine, markdown_table, write_json
+from tokenfab.bench.common import git_commit, git_dirty, load_average, machine, markdown_table, write_json
 
 ALLOCATOR_SETTINGS = ("tuned", "default")
 
@@ -254,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if args.same_process and args.allocator == "both":  # glibc tuning cannot be undone in a process
         raise SystemExit("--allocator both needs a fresh process per run (drop --same-process)")
     call = in_this_process if args.same_process else in_fresh_process
+    commit, dirty = git_commit(), git_dirty()  # at the start: what the runs import (HEAD may move meanwhile)
     rounds = []
     for _ in range(max(args.repeats, 1)):
         for alloc in settings:
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             rounds.append({"allocator": alloc, "results": [ours, *peers], "best_peer": best["engine"] if best else None,
                            "ratio": ratio})
     where = "all in this process" if args.same_process else "each engine run in a fresh process"
-    mach, commit = machine(), git_commit()
+    mach = machine()
     out = [f"model {model_name} ({dtype}) on {device} ({mach.get('cpu') or mach.get('gpu') or mach['platform']}, "
            f"{mach['cpus']} CPUs), commit {commit}; {args.num_requests} requests, prompts "
            f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each; {where}; "
@@ -291,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(text + "\n")
     main = summary[settings[0]]
     write_json(args.json, {
-        "benchmark": "throughput", "machine": mach, "commit": commit, "model": model_name,
+        "benchmark": "throughput", "machine": mach, "commit": commit, "uncommitted_changes": dirty,
+        "model": model_name,
         "dtype": dtype, "device": str(device),
         "isolation": "one process for everything" if args.same_process else "a fresh process per engine run",
         "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt_len, args.max_prompt_len],
