@@ -178,9 +178,9 @@ def test_prompt_logprobs_echo_and_max_tokens_0(fake):
 
 
 def test_tokenization_runs_off_the_event_loop(fake):
-    client, engine = fake
+    client, _ = fake
     threads: list[str] = []
-    tok = engine.tokenizer
+    tok = client.app.state.server.tokenizer  # the server's own copy (the engine thread has the engine's)
     original = tok.encode
     original_template = tok.apply_chat_template
 
@@ -209,20 +209,21 @@ def test_priority_is_honoured_under_the_priority_policy():
 
 
 def test_allowed_chat_template_kwargs_reach_the_template(fake):
-    client, engine = fake
+    client, _ = fake
     seen = []
-    original = engine.tokenizer.apply_chat_template
+    tok = client.app.state.server.tokenizer
+    original = tok.apply_chat_template
 
     def template(*a, **kw):
         seen.append({k: v for k, v in kw.items() if k in ("enable_thinking", "thinking", "reasoning_effort")})
         return original(*a, **kw)
 
-    engine.tokenizer.apply_chat_template = template
+    tok.apply_chat_template = template
     try:
         resp = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"enable_thinking": False,
                                                                                            "reasoning_effort": "low"}})
     finally:
-        del engine.tokenizer.apply_chat_template
+        del tok.apply_chat_template
     assert resp.status_code == 200, resp.text
     assert seen == [{"enable_thinking": False, "reasoning_effort": "low"}]
 

@@ -14,134 +14,23 @@ one ``RequestStream`` whose chunks carry the choice index.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tokenfab.engine.errors import EngineDeadError, QueueFullError, RequestFailedError
-from tokenfab.engine.outputs import Logprob, RequestOutput
-from tokenfab.engine.sampling_params import SEED_MAX, SamplingParams
+from tokenfab.engine.outputs import RequestOutput
+from tokenfab.engine.request_stream import Choice, PromptType, RequestStream, StreamChunk, choice_params, deliver
+from tokenfab.engine.sampling_params import SamplingParams
 
 __all__ = [
     "AsyncEngine", "EngineDeadError", "QueueFullError", "RequestFailedError", "RequestStream", "StreamChunk",
 ]
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int]
-
-
-@dataclass
-class StreamChunk:
-    """What one engine step produced for one choice of a request."""
-
-    index: int  # choice index (prompt_index * n + i)
-    prompt_index: int
-    delta_text: str
-    delta_token_ids: list[int]
-    delta_logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # the prompt's logprobs (first entry None), on the first chunk of a choice that asked for them
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # Set on the finishing chunk only: the whole output, as the engine reports it.
-    text: str | None = None
-    token_ids: list[int] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class _Sub:
-    """One engine request (one choice)."""
-
-    engine_id: str
-    stream: RequestStream
-    index: int
-    prompt_index: int
-    prompt: PromptType
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None = None
-    num_tokens: int = 0
-    first_token_time: float | None = None
-    sent_prompt_logprobs: bool = False
-
-
-class RequestStream:
-    """The merged output stream of one API request: an async iterator of ``StreamChunk``."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, num_choices: int,
-                 loop: asyncio.AbstractEventLoop, arrival_time: float | None = None) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self.num_choices = num_choices
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._loop = loop
-        self._queue: asyncio.Queue[StreamChunk | BaseException] = asyncio.Queue()
-        self._accepted: asyncio.Future[None] = loop.create_future()
-        self._remaining = num_choices
-        self.finished = False
-        self.aborted = False
-        self.subs: list[_Sub] = []
-
-    # Called on the event loop (scheduled from the engine thread).
-    def _set_accepted(self, error: BaseException | None) -> None:
-        if self._accepted.done():
-            return
-        if error is None:
-            self._accepted.set_result(None)
-        else:
-            self._accepted.set_exception(error)
-            self._accepted.exception()  # mark retrieved: no "never retrieved" warning if unawaited
-
-    def _put(self, item: StreamChunk | BaseException) -> None:
-        if isinstance(item, StreamChunk) and item.finished:
-            self._remaining -= 1
-            if self._remaining <= 0:
-                self.finished = True
-        elif isinstance(item, BaseException):
-            self.finished = True
-            self._set_accepted(item)
-        self._queue.put_nowait(item)
-
-    async def wait_accepted(self) -> None:
-        """Wait until the engine took every choice; re-raises its ValueError for bad requests."""
-        await self._accepted
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[StreamChunk]:
-        remaining = self.num_choices
-        while remaining > 0:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield item
-
-    def abort(self, error: BaseException | None = None) -> None:
-        """Abort the choices still running (client went away). Idempotent. With ``error``, a
-        consumer still iterating gets it raised instead of waiting for chunks that never come."""
-        if not self.finished and not self.aborted:
-            self.aborted = True
-            self._engine._abort_stream(self)
-            if error is not None:
-                self._queue.put_nowait(error)
 
 
 class AsyncEngine:
@@ -157,11 +46,11 @@ class AsyncEngine:
         self.on_first_token = on_first_token
         self.on_finished = on_finished
         self._cv = threading.Condition()
-        self._pending_adds: deque[tuple[RequestStream, list[_Sub]]] = deque()
+        self._pending_adds: deque[tuple[RequestStream, list[Choice]]] = deque()
         self._pending_aborts: list[RequestStream] = []
         self._pending_count = 0  # choices submitted but not yet handed to the engine
         self._in_transit = 0  # choices handed to the engine, not yet reflected in the stats snapshot
-        self._subs: dict[str, _Sub] = {}  # engine thread only
+        self._subs: dict[str, Choice] = {}  # engine thread only
         self._stats: Any = None
         self._stopping = False
         self._accepting = True
@@ -282,13 +171,13 @@ class AsyncEngine:
         n = max(1, int(params.n))
         total = n * len(prompts)
         stream = RequestStream(self, request_id, total, loop, arrival_time)
-        subs: list[_Sub] = []
+        subs: list[Choice] = []
         for p_idx, prompt in enumerate(prompts):
             for i in range(n):
                 index = p_idx * n + i
-                sub_params = _choice_params(params, i, clone_constraint=index > 0)
+                sub_params = choice_params(params, i, clone_constraint=index > 0)
                 engine_id = request_id if total == 1 else f"{request_id}-{index}"
-                subs.append(_Sub(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
+                subs.append(Choice(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
         stream.subs = subs
         with self._cv:
             if self._error is not None:  # died while this request was being built
@@ -386,10 +275,10 @@ class AsyncEngine:
         # Shutting down: abort whatever is left.
         self._fail_all(EngineDeadError("server shut down"))
 
-    def _do_add(self, stream: RequestStream, subs: list[_Sub]) -> None:
+    def _do_add(self, stream: RequestStream, subs: list[Choice]) -> None:
         if stream.aborted:
             return
-        added: list[_Sub] = []
+        added: list[Choice] = []
         try:
             for sub in subs:
                 extra = {"cache_salt": sub.cache_salt} if sub.cache_salt is not None else {}
@@ -473,7 +362,7 @@ class AsyncEngine:
             by_loop.setdefault(sub.stream._loop, []).append((sub.stream, chunk))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # loop closed
                 pass
 
@@ -497,22 +386,3 @@ class AsyncEngine:
                 stream._loop.call_soon_threadsafe(stream._put, error)
             except RuntimeError:
                 pass
-
-
-def _deliver(items: list[tuple[RequestStream, StreamChunk | BaseException]]) -> None:
-    for stream, chunk in items:
-        stream._put(chunk)
-
-
-def _choice_params(params: SamplingParams, i: int, clone_constraint: bool) -> SamplingParams:
-    """The engine-level params of choice ``i``: n=1, seed+i, and its own grammar matcher."""
-    constraint = params.constraint
-    if constraint is not None and clone_constraint:
-        clone = getattr(constraint, "clone", None)
-        if clone is None:
-            raise ValueError("this constraint cannot be shared by several choices (n > 1)")
-        constraint = clone()
-    seed = (params.seed + i) % (SEED_MAX + 1) if params.seed is not None else None
-    if params.n == 1 and seed == params.seed and constraint is params.constraint:
-        return params
-    return dataclasses.replace(params, n=1, seed=seed, constraint=constraint)
