@@ -284,3 +284,13 @@ def test_preemptions_are_counted_per_request():
     while seqs[2].num_preemptions < 2:
         step(s)
     assert seqs[2].num_preemptions == 2 and s.num_preemptions_total == 2
+
+
+def test_a_spent_budget_ends_the_step_with_requests_left_over():
+    s = make(budget=100)
+    for i, n in enumerate([1, 1, 50, 50]):
+        s.add(req(i, n))
+    assert step(s) == {"r0": 1, "r1": 1, "r2": 50, "r3": 48}
+    s.max_num_batched_tokens = 2
+    assert step(s) == {"r0": 1, "r1": 1}  # r2 and r3 get nothing this step (not a zero-token entry)
+    assert step(s) == {"r0": 1, "r1": 1}
