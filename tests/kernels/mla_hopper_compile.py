@@ -92,11 +92,11 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 
 
 def compile_all(only: str | None = None) -> list[dict]:
-    from tokenfab.kernels import dsa, mla, paged
+    from tokenfab.kernels import dsa, dsa_indexer, mla, paged
 
     results: list[dict] = []
     current = {"label": ""}
-    saved = patch_kernels([mla, dsa, paged], results, lambda: current["label"])
+    saved = patch_kernels([mla, dsa, dsa_indexer, paged], results, lambda: current["label"])
     try:
         for label, fn in _workloads():
             if only and only not in label:

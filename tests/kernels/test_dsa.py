@@ -199,7 +199,10 @@ def test_references_in_token_chunks(gen, monkeypatch):
     idx = _indices(cu, ctx, 12, gen)
     scores = dsa.dsa_index_scores_ref(q_idx, w, cache, bt, cu, ctx, 20, 52, R + ROPE)
     sparse = dsa.dsa_sparse_attention_ref(q, cache, bt, cu, ctx, idx, 0.2, R)
-    monkeypatch.setattr(dsa, "REF_CHUNK_ELEMENTS", 1000)  # a few tokens a chunk
+    from tokenfab.kernels import dsa_indexer
+
+    for mod in (dsa, dsa_indexer):
+        monkeypatch.setattr(mod, "REF_CHUNK_ELEMENTS", 1000)  # a few tokens a chunk
     torch.testing.assert_close(dsa.dsa_index_scores_ref(q_idx, w, cache, bt, cu, ctx, 20, 52, R + ROPE), scores)
     torch.testing.assert_close(dsa.dsa_sparse_attention_ref(q, cache, bt, cu, ctx, idx, 0.2, R), sparse)
 
