@@ -23,6 +23,9 @@ class EngineArgs:
     # CPU float32: keep MKL-packed copies of the linear weights (faster skinny products, 2x the
     # weight memory); packed only when the weights take under a quarter of the machine's memory
     cpu_weight_packing: bool = True
+    # GGUF block-quantized weights: None = packed on CPU float32 ("gguf"), "gguf-q8act" = packed with
+    # int8 activations, "none" = dequantized at load (see loader/gguf_mode.py)
+    quantization: str | None = None
     seed: int = 0  # the model's random init / tests; unseeded requests draw their seeds from OS entropy
     served_model_name: str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" (priority ignored) or "priority" (lower value runs first)
@@ -45,6 +48,10 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
         parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                             help="CPU: do not keep packed copies of the linear weights (MKL float32, oneDNN bfloat16)")
+        parser.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8act", "none"],
+                            help="GGUF files: gguf = keep Q8_0/Q4_0/Q4_1 weights packed (CPU, float32 "
+                            "activations; the default for a quantized GGUF on CPU); gguf-q8act = packed, with "
+                            "int8 activation blocks (faster, drifts slightly); none = dequantize to --dtype")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

@@ -64,7 +64,8 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(args.model, self.dtype, self.device, args.max_model_len)
+        loaded = load_model(args.model, self.dtype, self.device, args.max_model_len,
+                            quantization=args.quantization)
         self.model = loaded.model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -38,7 +38,15 @@ from tokenfab.loader.errors import ModelLoadError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-__all__ = ["GGUFCheckpoint", "dequantize", "load_gguf", "load_gguf_tokenizer", "supports_ggml_type"]
+__all__ = [
+    "PACKABLE_TYPES",
+    "GGUFCheckpoint",
+    "PackedTensor",
+    "dequantize",
+    "load_gguf",
+    "load_gguf_tokenizer",
+    "supports_ggml_type",
+]
 
 # GGUF `general.architecture` -> (HF `architectures` name, transformers config class name).
 # Mistral files say "llama": llama.cpp runs them with the same graph, and so does LlamaConfig.
@@ -368,6 +376,25 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+# ggml block types a weight can stay packed in (the CPU kernels in kernels/cpu/ggml_matmul.py).
+PACKABLE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A 2-D weight kept in its file's ggml blocks: ``rows`` is uint8 ``[N, K / 32 * block_bytes]``
+    (one row of the HF-layout weight per row, its blocks as stored), ``qtype`` one of
+    :data:`PACKABLE_TYPES`, ``k`` the logical row length."""
+
+    rows: torch.Tensor
+    qtype: str
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.rows.shape[0]), self.k)
+
+
 class _Entry(NamedTuple):
     hf_name: str
     tensor: Any  # gguf.ReaderTensor
@@ -392,9 +419,21 @@ class GGUFCheckpoint:
         """HF name -> the ggml type the file stores that tensor in (e.g. "Q4_1", "F32")."""
         return {e.hf_name: QT(e.tensor.tensor_type).name for e in self._entries}
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 CPU tensor in HF layout), one at a time, dequantizing lazily."""
+    def tensors(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+        """Yield (HF name, float32 CPU tensor in HF layout), one at a time, dequantizing lazily.
+
+        With ``packed``, 2-D tensors stored in a :data:`PACKABLE_TYPES` block type come as a
+        :class:`PackedTensor` instead: the raw rows, copied out of the file, never dequantized
+        (the Llama q/k row un-permutation moves whole rows, so it applies to packed rows as is).
+        """
         for e in self._entries:
+            qtype = QT(e.tensor.tensor_type).name
+            if packed and qtype in PACKABLE_TYPES and len(e.shape) == 2:
+                rows = np.array(e.tensor.data, dtype=np.uint8, copy=True).reshape(e.shape[0], -1)
+                if e.unpermute_heads is not None:
+                    rows = _unpermute_rows(rows, e.unpermute_heads)
+                yield e.hf_name, PackedTensor(torch.from_numpy(rows), qtype, e.shape[1])
+                continue
             try:
                 values = dequantize(e.tensor.data, e.tensor.tensor_type, e.shape)
             except (ValueError, TypeError) as err:

@@ -71,13 +71,19 @@ def load_model(
     device: torch.device,
     max_model_len: int | None = None,
     load_tokenizer: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load config, weights (in ``dtype`` on ``device``) and tokenizer.
 
     ``path`` is a directory with config.json + safetensors, a .gguf file, or None for the
-    bundled SmolLM2-135M-Instruct.
+    bundled SmolLM2-135M-Instruct. ``quantization`` (GGUF files): see
+    :func:`tokenfab.loader.gguf_mode.resolve_gguf_mode`; None picks packed weights for a quantized
+    GGUF file on CPU in float32.
     """
-    name = None
+    from tokenfab.loader.gguf_mode import check_quantization_arg
+
+    check_quantization_arg(quantization)
+    name, gguf_act = None, None
     if path is None:
         path, name = bundled_model_path(), BUNDLED_MODEL_NAME
     path = Path(path)
@@ -85,9 +91,11 @@ def load_model(
         raise ModelLoadError(path, "no such file or directory")
     if path.is_file() and path.suffix == ".gguf":
         from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
+        from tokenfab.loader.gguf_mode import resolve_gguf_mode
 
         ckpt = load_gguf(path)
         config, arch, weights = ckpt.config, ckpt.architecture, ckpt.tensors()
+        gguf_act = resolve_gguf_mode(quantization, ckpt, dtype, device)
         tokenizer = load_gguf_tokenizer(path) if load_tokenizer else None
     elif path.is_dir():
         from tokenfab.loader.safetensors_dir import iter_safetensors, load_hf_config
@@ -103,8 +111,15 @@ def load_model(
         tokenizer = _hf_tokenizer(path) if load_tokenizer else None
     else:
         raise ModelLoadError(path, "expected a model directory or a .gguf file")
+    if path.is_dir() and quantization not in (None, "none"):
+        raise ValueError(f"--quantization {quantization} applies to .gguf files; {path} is a directory")
     max_len = min(max_model_len or config_max_len(config), config_max_len(config))
     model = _build(arch, config, dtype, device, max_len, path)
-    load_weights(model, weights, path)
+    if path.suffix == ".gguf" and gguf_act is not None:
+        from tokenfab.loader.gguf_packed import load_gguf_packed
+
+        load_gguf_packed(model, ckpt, act=gguf_act)
+    else:
+        load_weights(model, weights, path)
     model.eval()
     return LoadedModel(model, config, tokenizer, name or path.stem if path.is_file() else name or path.name, path)

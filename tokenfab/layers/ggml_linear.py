@@ -1,0 +1,108 @@
+"""Layers whose weights stay in a GGUF file's ggml blocks (Q8_0, Q4_0, Q4_1) on CPU.
+
+A packed weight is the file's raw rows, uint8 ``[N, K / 32 * block_bytes]``: 4.5-5 bits a weight
+for Q4_x, 8.5 for Q8_0, where a float32 copy costs 32. The products go through
+``kernels.cpu.ggml_matmul`` (dequantized in registers, multiplied with float32 activations by
+default; ``act="q8"`` quantizes the activations to int8 blocks as llama.cpp does).
+
+- :class:`GGMLLinear`: a linear layer; a merged projection (qkv, gate_up) is its checkpoint
+  tensors' packed rows stacked (same K, same block type).
+- :class:`GGMLEmbedding`: the token embedding; a lookup dequantizes only the looked-up rows.
+- :class:`GGMLLMHead`: the LM head, through the same product; a tied head shares the embedding's
+  packed rows (one copy).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:  # the native kernels and their reference (H3's module)
+    from tokenfab.kernels.cpu.ggml_matmul import ggml_dequantize_rows, ggml_matmul
+except ImportError:  # pragma: no cover - before the kernel module lands
+    from tokenfab.layers._ggml_fallback import ggml_dequantize_rows, ggml_matmul
+
+# activation modes: "f32" (W4A32/W8A32, the default) and "q8" (int8 activation blocks, opt-in)
+ACT_MODES = ("f32", "q8")
+
+
+class GGMLLinear(nn.Module):
+    """``y = x @ dequant(qweight).T + bias`` with the weight kept packed."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None, act: str = "f32") -> None:
+        super().__init__()
+        if act not in ACT_MODES:
+            raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+        if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+            raise ValueError(f"a packed weight is a 2-D uint8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.qtype, self.in_features, self.out_features = qtype, in_features, int(qweight.shape[0])
+        self.act = act
+        # a buffer, not a Parameter: the packed loader fills it (load_weights checks Parameters)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = ggml_matmul(x2, self.qweight, self.qtype, self.in_features, act=self.act)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def logical_numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, in={self.in_features}, out={self.out_features}, act={self.act}"
+
+
+class GGMLEmbedding(nn.Module):
+    """Token embedding from packed rows; a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, qweight: torch.Tensor, qtype: str, hidden_size: int) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        self.qtype, self.hidden_size = qtype, hidden_size
+        self.num_embeddings = int(qweight.shape[0])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        out = ggml_dequantize_rows(self.qweight, self.qtype, self.hidden_size, ids)
+        return out.view(*input_ids.shape, self.hidden_size)
+
+    def logical_numel(self) -> int:
+        return self.num_embeddings * self.hidden_size
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, {self.num_embeddings} x {self.hidden_size}"
+
+
+class GGMLLMHead(GGMLLinear):
+    """Output projection to float32 vocabulary logits from packed rows (tied: the embedding's)."""
+
+    def logical_numel(self) -> int:  # a tied head's rows are counted once, with the embedding
+        return 0 if getattr(self, "tied", False) else super().logical_numel()
+
+
+def packed_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of weights, logical parameter count) of a model, packed rows counted as stored and
+    tied tensors once; rotary caches and other non-weight buffers are not weights."""
+    seen: set[int] = set()
+    nbytes = numel = 0
+    for p in model.parameters():  # tied parameters listed once
+        nbytes += p.numel() * p.element_size()
+        numel += p.numel()
+    for m in model.modules():
+        q = getattr(m, "qweight", None)
+        if isinstance(m, GGMLLinear | GGMLEmbedding) and q is not None:
+            numel += m.logical_numel()
+            if q.data_ptr() not in seen:
+                seen.add(q.data_ptr())
+                nbytes += q.numel()
+            b = getattr(m, "bias", None)
+            if isinstance(b, torch.Tensor):
+                nbytes, numel = nbytes + b.numel() * b.element_size(), numel + b.numel()
+    return nbytes, numel
