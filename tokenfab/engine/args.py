@@ -29,6 +29,12 @@ class EngineArgs:
     seed: int = 0  # the model's random init / tests; unseeded requests draw their seeds from OS entropy
     served_model_name: str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" (priority ignored) or "priority" (lower value runs first)
+    # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
+    # reach the host; off by default until measured on GPU (engine/overlap.py)
+    async_scheduling: bool = False
+    # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
+    # checks stop strings); not a CLI flag
+    detokenize: bool = True
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -57,6 +63,9 @@ class EngineArgs:
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                             help="fcfs: first come, first served (request priority ignored); priority: lower "
                             "priority value first, then arrival; preemption takes the lowest-priority, newest")
+        parser.add_argument("--async-scheduling", action="store_true",
+                            help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
+                            "tokens feed the next step without a host sync, stop checks run one step behind")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -23,14 +23,16 @@ from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_al
 from tokenfab.engine.errors import EngineDeadError, is_device_fatal
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
-from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenfab.engine.output_processor import TokenTexts, append_text, logprob_entry, visible_text
+from tokenfab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenfab.engine.overlap import OverlapScheduler
 from tokenfab.engine.prompt_logprobs import prompt_rows_of, score_prompt
 from tokenfab.engine.sampler import sample_next
 from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.scheduler import Scheduler
+from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
-from tokenfab.tokenizer import detokenize_incrementally, eos_token_ids
+from tokenfab.tokenizer import eos_token_ids
 
 log = logging.getLogger("tokenfab")
 
@@ -85,13 +87,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size
         self._seqs: dict[str, Sequence] = {}
-        self._token_text: dict[int, str] = {}  # token id -> its text alone (logprob entries)
+        # detokenize=False (the engine-core process): token ids only; the API server makes the text
+        self.detokenize = args.detokenize
+        self._decode_one = TokenTexts(self.tokenizer if args.detokenize else None)  # logprob entry texts
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_prompt_tokens_total = 0
         self.num_steps = 0
         self._last = (0, 0, 0)
+        # --async-scheduling: step N+1 is launched before step N's tokens are read (engine/overlap.py)
+        self._overlap = OverlapScheduler(self) if args.async_scheduling else None
         log.info(
             "loaded %s on %s (%s) in %.1fs; KV cache: %d blocks x %d = %d tokens",
             self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
@@ -226,15 +232,26 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self._overlap is not None
+
     # ---- the step -------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One model step. A failure that belongs to some requests (their rows of the forward,
         their sampling, their constraint) fails only those (finish_reason "error"); a device
-        error raises EngineDeadError."""
+        error raises EngineDeadError. With async scheduling the outputs of a step come back
+        from the next call (engine/overlap.py)."""
+        if self._overlap is not None:
+            return self._overlap.step()
         batch = self.scheduler.schedule()
         if batch.empty:
             return self._unschedulable()
+        return self.run_batch(batch)
+
+    def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Forward, sample and process one scheduled batch, synchronously."""
         now = time.time()
         seqs, counts = batch.seqs, batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
@@ -383,21 +400,12 @@ class LLMEngine:
         if p.constraint is not None:
             p.constraint.accept_token(token)
         if lp is not None and seq.logprobs is not None:
-            entry = {tok: Logprob(v, r + 1, self._decode_one(tok)) for r, (tok, v) in enumerate(lp[2])}
-            entry.setdefault(token, Logprob(lp[0], lp[1], self._decode_one(token)))
-            seq.logprobs.append(entry)
-        # detokenize
+            seq.logprobs.append(logprob_entry(token, lp, self._decode_one))
+        # detokenize (output_processor: the same code the API server runs for an engine-core process)
         stop_token = token in p.stop_token_ids
         is_eos = not p.ignore_eos and token in self.eos_token_ids
-        if self.tokenizer is not None and not (is_eos or stop_token):
-            new_text, seq.prefix_offset, seq.read_offset = detokenize_incrementally(
-                self.tokenizer, seq.token_ids, seq.prefix_offset, seq.read_offset, p.skip_special_tokens
-            )
-            seq.output_text += new_text
-            # stop strings count only once min_tokens are generated (vLLM)
-            if p.stop and new_text and seq.num_output_tokens >= p.min_tokens \
-                    and self._check_stop_strings(seq, len(new_text)):
-                return self._finish(seq, "stop")
+        if self.detokenize and append_text(self.tokenizer, seq, is_eos or stop_token):
+            return self._finish(seq, "stop")
         if seq.num_output_tokens >= p.min_tokens:
             if is_eos:
                 return self._finish(seq, "stop", token)
@@ -410,18 +418,6 @@ class LLMEngine:
         if seq.num_tokens >= self.max_model_len:
             return self._finish(seq, "length")
 
-    def _check_stop_strings(self, seq: Sequence, new_len: int) -> bool:
-        text = seq.output_text
-        for stop in seq.params.stop:
-            start = max(0, len(text) - new_len - len(stop) + 1)
-            idx = text.find(stop, start)
-            if idx != -1:
-                keep = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.output_text = text[:keep]
-                seq.stop_reason = stop
-                return True
-        return False
-
     def _finish(self, seq: Sequence, reason: str, stop_token: int | None = None) -> None:
         seq.finish_reason = reason
         if stop_token is not None:
@@ -429,23 +425,10 @@ class LLMEngine:
         seq.finished_time = time.time()
         self.scheduler.finish(seq)
 
-    def _decode_one(self, token: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
-        return text
-
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
-        text = seq.output_text
-        if not finished and seq.params.stop:
-            # hold back a tail that could be the start of a stop string
-            text = text[: max(seq.emitted_text_len, len(text) - max(len(s) for s in seq.params.stop) + 1)]
-        delta_text = text[seq.emitted_text_len :]
+        text, delta_text = visible_text(seq, finished)  # holds back a possible stop-string prefix
         delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_token_len :]
-        seq.emitted_text_len = len(text)
         seq.emitted_token_len = seq.num_output_tokens
         if finished:
             self._seqs.pop(seq.request_id, None)
