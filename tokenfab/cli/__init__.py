@@ -11,6 +11,7 @@ COMMANDS = {
     "serve": ("tokenfab.server.cli", "OpenAI-compatible HTTP server"),
     "generate": ("tokenfab.cli.generate", "generate completions for prompts"),
     "chat": ("tokenfab.cli.chat", "interactive chat in the terminal"),
+    "finetune": ("tokenfab.train.cli", "LoRA or full fine-tuning on JSONL chat records"),
 }
 BENCH_COMMANDS = {
     "throughput": ("tokenfab.bench.throughput", "offline throughput vs transformers"),
