@@ -125,10 +125,28 @@ def _needs_edit(s: Sequence) -> bool:
 
 def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
     """Pick one token per row of ``logits`` [R, V] (R == len(seqs)); ``logits`` is left as it was."""
+    tokens = sample_tokens(logits, seqs, eos_ids)
+    token_list = tokens.tolist()
+    lp_out: list = [None] * len(seqs)
+    if any(s.params.logprobs is not None for s in seqs):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        k = max(s.params.logprobs or 0 for s in seqs)
+        top_v, top_i = lp.topk(max(k, 1), dim=-1)
+        chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+        ranks = (lp > chosen[:, None]).sum(-1) + 1
+        top_v, top_i, chosen, ranks = top_v.tolist(), top_i.tolist(), chosen.tolist(), ranks.tolist()
+        for i, s in enumerate(seqs):
+            n = s.params.logprobs
+            if n is not None:
+                lp_out[i] = (chosen[i], ranks[i], list(zip(top_i[i][:n], top_v[i][:n])))
+    return SamplerOutput(token_list, lp_out)
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+    """The drawn token ids [R] int64, left on the logits' device (no host sync here, except for
+    grammar-constrained rows: the overlap scheduler runs those synchronously anyway)."""
     dev = logits.device
     v = logits.shape[1]
-    want_logprobs = any(s.params.logprobs is not None for s in seqs)
-    raw = logits
     if any(_needs_edit(s) for s in seqs):
         logits = logits.clone()  # edits below are in place; the caller's tensor stays raw
         apply_logit_bias(logits, seqs)
@@ -152,17 +170,4 @@ def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) 
             torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev),
             torch.tensor([step_seed(s.base_seed, s.num_output_tokens) for s in seqs], dtype=torch.int64, device=dev),
         )
-    token_list = tokens.tolist()
-    lp_out: list = [None] * len(seqs)
-    if want_logprobs:
-        lp = torch.log_softmax(raw.float(), dim=-1)
-        k = max(s.params.logprobs or 0 for s in seqs)
-        top_v, top_i = lp.topk(max(k, 1), dim=-1)
-        chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
-        ranks = (lp > chosen[:, None]).sum(-1) + 1
-        top_v, top_i, chosen, ranks = top_v.tolist(), top_i.tolist(), chosen.tolist(), ranks.tolist()
-        for i, s in enumerate(seqs):
-            n = s.params.logprobs
-            if n is not None:
-                lp_out[i] = (chosen[i], ranks[i], list(zip(top_i[i][:n], top_v[i][:n])))
-    return SamplerOutput(token_list, lp_out)
+    return tokens

@@ -23,18 +23,24 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # per entry, whether it was a decode when scheduled (a sequence freed since, e.g. one the
+    # overlap scheduler drops after it finished, no longer says)
+    is_decode: list[bool] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
-        if seq.is_decoding and n == 1:
+        decode = seq.is_decoding and n == 1
+        if decode:
             self.num_decode_tokens += 1
         else:
             self.num_prefill_tokens += n
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        self.is_decode.append(decode)
 
     def remove(self, i: int) -> int:
-        seq, n = self.seqs.pop(i), self.num_new_tokens.pop(i)
-        if seq.is_decoding and n == 1:
+        self.seqs.pop(i)
+        n = self.num_new_tokens.pop(i)
+        if self.is_decode.pop(i):
             self.num_decode_tokens -= 1
         else:
             self.num_prefill_tokens -= n

@@ -1,0 +1,219 @@
+"""Overlap scheduling (``--async-scheduling``): step N+1 is scheduled and launched before the host
+reads step N's sampled tokens.
+
+The models are SGLang's zero-overhead scheduler and vLLM V1's async scheduling. One call of
+``OverlapScheduler.step()``:
+
+1. schedules step N+1. Every sequence sampled at step N already carries a placeholder token
+   (``PLACEHOLDER``) at the end of ``token_ids`` and has its step-N tokens counted as computed, so
+   the scheduler, the block manager and ``ModelRunner.prepare`` see it as a decode of one more
+   token: positions, slots and block tables are built on the host as usual;
+2. launches step N+1: the placeholders' rows of ``input_ids`` are filled on the device from step
+   N's sampled-token tensor (one ``index_copy_``), then forward and sampling are queued; the
+   sampled ids stay a device tensor, and a non-blocking copy to (pinned) host memory plus an
+   event are queued behind them;
+3. resolves step N: waits for step N's event only (step N+1 keeps the device busy meanwhile),
+   swaps each placeholder for its token and runs the stop checks (EOS, stop_token_ids,
+   max_tokens, stop strings, ...) exactly as the synchronous engine does. A sequence that
+   finishes here was also in step N+1: its step-N+1 token is dropped, and freeing it frees the
+   block its last K/V went to; it is skipped below, so no prefix-cache digest ever covers a token
+   it did not keep;
+4. books step N+1 for the sequences still alive (computed tokens, full blocks offered to the
+   prefix cache, new placeholders) and keeps it pending for the next call.
+
+Outputs therefore arrive one call later than in the synchronous engine; the tokens are the same
+(a request's draws depend only on its seed and position; ``num_output_tokens`` counts the
+placeholder, which is the token the step is about to produce).
+
+Falls back to the synchronous step (resolving step N first, dropping sequences that finished
+there) when a scheduled request needs its latest token on the host before sampling: a grammar
+constraint, presence/frequency/repetition penalties, logprobs or prompt logprobs; and when the
+batched forward fails (the synchronous path isolates the failing request). ``logit_bias`` and
+``min_tokens`` need only counts and stay overlapped.
+
+On CPU the "device" is the CPU, so nothing really overlaps, but the control flow is the same one;
+that is what the tests check against the synchronous engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenfab.engine.errors import EngineDeadError
+from tokenfab.engine.outputs import RequestOutput
+from tokenfab.engine.sampler import sample_tokens
+from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tokenfab.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("tokenfab")
+
+# stands for a sampled token the host has not read yet; never a valid id, so a leak fails loudly
+PLACEHOLDER = -1
+
+
+def needs_sync(seq: Sequence) -> bool:
+    """Whether sampling this request's next token needs its latest token on the host."""
+    p = seq.params
+    return (
+        p.constraint is not None or p.logprobs is not None or seq.prompt_logprobs is not None
+        or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.repetition_penalty != 1.0
+    )
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    tokens: torch.Tensor  # [R] int64 on the device: the next step's inputs come from here
+    host: torch.Tensor  # [R] int64 on the CPU, filled by a non-blocking copy behind ``event``
+    event: torch.cuda.Event | None
+    rows: dict[Sequence, int] = field(default_factory=dict)  # live sequence -> its row
+
+
+class OverlapScheduler:
+    """The step loop of an ``LLMEngine`` with async scheduling on (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.pending: PendingStep | None = None
+        self.num_sync_steps = 0  # steps that fell back to the synchronous path
+        self.num_dropped_tokens = 0  # tokens computed for requests that had finished one step before
+
+    def step(self) -> list[RequestOutput]:
+        eng = self.engine
+        batch = eng.scheduler.schedule()
+        if batch.empty:
+            if self.pending is None:
+                return eng._unschedulable()
+            return self.resolve()
+        if any(needs_sync(s) for s in batch.seqs):
+            return self._sync_step(batch)
+        try:
+            launched = self._launch(batch)
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            eng._raise_if_fatal(e)
+            log.warning("the overlapped step of %d sequences failed (%r); running it synchronously",
+                        len(batch.seqs), e)
+            return self._sync_step(batch)
+        outputs = self.resolve()
+        outputs += self._advance(batch, *launched)
+        return outputs
+
+    def resolve(self) -> list[RequestOutput]:
+        """Read the pending step's tokens (waiting for that step only) and process them."""
+        prev, self.pending = self.pending, None
+        if prev is None:
+            return []
+        eng = self.engine
+        if prev.event is not None:
+            prev.event.synchronize()
+        tokens = prev.host.tolist()
+        outputs = []
+        for seq, row in prev.rows.items():
+            assert seq.token_ids[-1] == PLACEHOLDER, "a pending sequence lost its placeholder"
+            seq.token_ids.pop()
+            if seq.is_finished:  # aborted meanwhile: nothing more is reported for it
+                continue
+            try:
+                eng._append_token(seq, tokens[row], None)
+            except Exception as e:
+                eng._raise_if_fatal(e)
+                eng._fail(seq, f"processing the sampled token failed: {e}")
+            outputs.append(eng._output(seq))
+        return outputs
+
+    # ---- internals -------------------------------------------------------------------
+    def _sync_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        self.num_sync_steps += 1
+        outputs = self.resolve()
+        self._drop_finished(batch)
+        if not batch.empty:
+            outputs += self.engine.run_batch(batch)
+        return outputs
+
+    def _drop_finished(self, batch: ScheduledBatch) -> None:
+        for i in reversed(range(len(batch.seqs))):
+            if batch.seqs[i].is_finished:  # finished when step N's token arrived: not run at all
+                batch.remove(i)
+
+    def _launch(self, batch: ScheduledBatch) -> tuple[list[bool], list[bool], PendingStep | None]:
+        """Queue forward + sampling of ``batch``; touches no sequence state (a failure here leaves
+        everything as scheduled, for the synchronous retry)."""
+        eng = self.engine
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        done = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
+        sample_mask = [d and s.params.max_tokens != 0 for s, d in zip(seqs, done)]
+        fb = eng.runner.prepare(seqs, counts, sample_mask)
+        prev = self.pending
+        if prev is not None:
+            dst: list[int] = []
+            src: list[int] = []
+            end = 0
+            for s, n in zip(seqs, counts):
+                end += n
+                row = prev.rows.get(s)
+                if row is not None:
+                    # a decode of the token step N sampled: its one input row is the placeholder
+                    assert n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                    dst.append(end - 1)
+                    src.append(row)
+            if dst:
+                dev = fb.input_ids.device
+                src_t = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+                dst_t = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
+                fb.input_ids.index_copy_(0, dst_t, prev.tokens.index_select(0, src_t))
+        logits = eng.runner.execute(fb)
+        sampled = [s for s, m in zip(seqs, sample_mask) if m]
+        if not sampled:
+            return done, sample_mask, None
+        tokens = sample_tokens(logits, sampled, eng.eos_token_ids)
+        event = None
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        return done, sample_mask, PendingStep(tokens, host, event)
+
+    def _advance(
+        self, batch: ScheduledBatch, done: list[bool], sample_mask: list[bool], step: PendingStep | None,
+    ) -> list[RequestOutput]:
+        """Book the launched step for the sequences still alive; it becomes the pending step."""
+        eng = self.engine
+        now = time.time()
+        eng.num_steps += 1
+        eng._last = (len(batch.seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
+        outputs = []
+        row = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            r, row = row, row + sample_mask[i]
+            if seq.is_finished:  # finished when step N's token arrived; its blocks are free already
+                self.num_dropped_tokens += 1
+                continue
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                eng.computed_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            eng.block_manager.commit_full_blocks(seq)  # before the placeholder: digests cover known tokens
+            if sample_mask[i]:
+                seq.token_ids.append(PLACEHOLDER)
+                step.rows[seq] = r
+            elif done[i]:  # max_tokens 0: prefill only
+                eng._finish(seq, "length")
+                outputs.append(eng._output(seq))
+        if step is not None and step.rows:
+            self.pending = step
+        return outputs
