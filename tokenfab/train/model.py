@@ -230,6 +230,7 @@ def packed_loss(model: nn.Module, batch: Any, kernels: bool) -> tuple[torch.Tens
     Attention stays inside each sample through HF's packed-sequence path: no 2D attention mask and
     ``position_ids`` restarting at 0 per sample make ``create_causal_mask`` build a block-diagonal
     causal mask (checked by the test: a packed batch's loss equals its samples' losses run alone).
+    HF does so only without a KV cache, hence ``use_cache=False`` on every call here.
     ``kernels``: the model was patched by ``apply_kernels`` (FLCE); else plain logits + CE in fp32.
     """
     shifted = shift_labels_within_samples(batch.labels, batch.cu_seqlens)

@@ -162,6 +162,9 @@ class Trainer:
             p.requires_grad_(False)
         inject_lora(model, r=c.lora_r, alpha=c.lora_alpha, dropout=c.lora_dropout,
                     target_modules=c.lora_target_modules, use_rslora=c.use_rslora, init_seed=c.seed)
+        for p in model.parameters():  # the adapter trains in fp32 (bf16 base + autocast on CUDA)
+            if p.requires_grad:
+                p.data = p.data.float()
         if c.gradient_checkpointing:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still get grads
 
