@@ -151,6 +151,21 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, q_len, q_len, d**-0.5, window, softcap,
                                             sk)
 
+    def flce_rows(c, v, dtype, smoothing=0.0, z=0.0):
+        from tokenfab.kernels import loss
+
+        loss._ce_chunk_triton(torch.empty(c, v, dtype=dtype), torch.zeros(c, dtype=torch.long), torch.ones(1), -100,
+                              smoothing, z)
+
+    def grouped_train(t, e, n, k, dtype):
+        from tokenfab.kernels import moe_train
+
+        counts = torch.full((e,), t // e)
+        x, w, dy = torch.empty(t, k, dtype=dtype), torch.empty(e, n, k, dtype=dtype), torch.empty(t, n, dtype=dtype)
+        moe_train._grouped_mm_triton(x, w, counts, transpose_w=True)
+        moe_train._grouped_mm_triton(dy, w, counts, transpose_w=False)
+        moe_train._grouped_wgrad_triton(dy, x, counts, e)
+
     def samp(b, v, dtype):
         sampling._sample_triton(torch.randn(b, v, dtype=dtype), torch.ones(b), torch.full((b,), 50),
                                 torch.full((b,), 0.9), torch.zeros(b), torch.arange(b))
@@ -192,6 +207,12 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         ("decode fp32 B8 32/8 d128", lambda: decode(8, 32, 8, 128, F32)),
         ("sample fp32 [64, 151936]", lambda: samp(64, 151936, F32)),
         ("sample bf16 [8, 49152]", lambda: samp(8, 49152, BF16)),
+        ("flce rows bf16 [64, 49152]", lambda: flce_rows(64, 49152, BF16)),
+        ("flce rows bf16 [2048, 128256] smoothing+z", lambda: flce_rows(2048, 128256, BF16, 0.1, 1e-4)),
+        ("flce rows fp32 [64, 49152]", lambda: flce_rows(64, 49152, F32)),
+        ("grouped gemm train bf16 qwen3-30b-a3b gate_up T=8192x8", lambda: grouped_train(65536, 128, 1536, 2048, BF16)),
+        ("grouped gemm train bf16 qwen3-30b-a3b down T=8192x8", lambda: grouped_train(65536, 128, 2048, 768, BF16)),
+        ("grouped gemm train fp32 [4096, 8 experts] 576x1536", lambda: grouped_train(4096, 8, 1536, 576, F32)),
     ]
 
 
@@ -202,13 +223,15 @@ def kernel_modules() -> list:
         attention_decode,
         attention_prefill,
         kv_cache,
+        loss,
+        moe_train,
         norm,
         paged,
         rope,
         sampling,
     )
 
-    return [activation, attention_decode, attention_prefill, kv_cache, norm, paged, rope, sampling]
+    return [activation, attention_decode, attention_prefill, kv_cache, loss, moe_train, norm, paged, rope, sampling]
 
 
 def patch_kernels(modules: list, results: list[dict], label: Callable[[], str]) -> list[tuple]:

@@ -85,3 +85,12 @@ def test_registers_within_budget(records):
         assert r["registers"] <= 255, r
         # a program of num_warps warps must fit one multiprocessor's 64K registers
         assert r["registers"] * 32 * r["num_warps"] <= 65536, r
+
+
+def test_moe_train_grouped_gemms_use_hgmma(records):
+    """The MoE training GEMMs (forward, d input, d weight) with 16-bit operands: Hopper's warp-group MMA."""
+    grouped = [r for r in records if r["kernel"] in ("_grouped_mm_kernel", "_grouped_wgrad_kernel")]
+    assert {r["kernel"] for r in grouped} == {"_grouped_mm_kernel", "_grouped_wgrad_kernel"}
+    for r in grouped:
+        if r["config"]["DOT_PREC"] != "ieee":
+            assert r["hgmma"] > 0, f"{r['workload']} {r['kernel']}: no HGMMA in the SASS"
