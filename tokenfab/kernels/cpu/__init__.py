@@ -32,7 +32,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "elementwise.c")
+_SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c")
 _HEADERS = ("common.h",)
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
@@ -114,8 +114,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rotary_qk": [p, p, i64, i64, i64, p, p, i64, i64, i64, p, p, i64, i64, i64, i32, i32],
         "argmax_rows": [p, i64, i64, p],
         "store_kv": [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64, i32],
+        "ggml_matmul_f32": [p, p, i64, i64, i64, i32, p],
+        "ggml_matmul_q8": [p, p, i64, i64, i64, i32, p],
+        "ggml_dequant_rows": [p, i64, i32, p, i64, p],
+        "ggml_isa": [],
+        "ggml_amx_probe": [],
     }
-    returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk"}
+    returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
+                      "ggml_matmul_f32", "ggml_matmul_q8", "ggml_isa", "ggml_amx_probe"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM

@@ -1,0 +1,197 @@
+"""Matmuls against packed GGUF weights on CPU: Q8_0, Q4_0 and Q4_1 blocks stay as the file stores
+them, and ``ggml_matmul.c`` dequantizes them in registers.
+
+A packed weight is the GGUF tensor's raw bytes seen as a uint8 tensor ``[N, K/32 * block_bytes]``
+(row-major, one row = K/32 blocks of 32 weights; block layouts in ``ggml_matmul.c``).
+
+- ``ggml_matmul(x, w, qtype, k, act="f32")`` = ``x @ dequant(w).T`` with float32 activations
+  (W4A32 / W8A32): only the float32 summation order differs from the reference, so greedy output
+  stays that of float32 ``transformers`` on the dequantized weights.
+- ``act="q8"`` (opt-in, faster): the activations are quantized per 32-block to int8, as llama.cpp
+  does, with ``d = amax / 127`` (kept in float32, not rounded to float16), ``q = round-half-even(x *
+  (1 / d))``; the blocks are then integer dot products (VNNI where the CPU has it). It equals
+  ``quantize_act_q8(x) @ dequant(w).T`` up to float32 summation order.
+- ``ggml_matmul_reference`` (same signature): plain torch, the fallback (no compiler,
+  ``TOKENFAB_CPU_NATIVE=0``, non-CPU tensors) and the test oracle.
+
+AMX: the C library has a probe (cpuid, XCR0, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, then one tile
+instruction) that ``ggml_kernel_info`` runs in a child process, because some VMs report AMX and
+then fault. There is no AMX kernel yet: a usable AMX is reported, and the VNNI path still runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenfab.kernels.cpu import native_library
+from tokenfab.kernels.cpu.checks import check_status
+
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+ACT_MODES = ("f32", "q8")
+
+
+def _check_format(qtype: str, k: int) -> int:
+    """The block size in bytes of ``qtype``; ValueError for an unknown type or K not a multiple of 32."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"unsupported GGML type {qtype!r}; packed kernels take {sorted(BLOCK_BYTES)}")
+    if not isinstance(k, int) or k <= 0 or k % 32:
+        raise ValueError(f"K must be a positive multiple of 32 (the GGML block size), got {k!r}")
+    return BLOCK_BYTES[qtype]
+
+
+def _check_weight(w: torch.Tensor, qtype: str, k: int) -> None:
+    bb = _check_format(qtype, k)
+    if w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"packed weight must be a 2-D uint8 tensor, got {w.dtype} of shape {tuple(w.shape)}")
+    if w.shape[1] != k // 32 * bb:
+        raise ValueError(f"a {qtype} row of K={k} holds {k // 32 * bb} bytes, the weight has {w.shape[1]}")
+
+
+def _check_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, act: str) -> None:
+    _check_weight(w, qtype, k)
+    if act not in ACT_MODES:
+        raise ValueError(f"act must be one of {ACT_MODES}, got {act!r}")
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the packed weight has K={k}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device}, the packed weight on {w.device}")
+
+
+def dequantize(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """Packed uint8 ``[N, row_bytes]`` -> float32 ``[N, K]`` (``gguf.quants.dequantize``'s arithmetic)."""
+    _check_weight(w, qtype, k)
+    blocks = w.reshape(w.shape[0], k // 32, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(-1, k)
+    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    if qtype == "Q4_0":
+        return (d * (q - 8)).reshape(-1, k)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(-1, k)
+
+
+def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (int8 ``q [M, K]``, float32 ``d [M, K/32]``): per 32-block ``d = amax / 127``,
+    ``q = round-half-even(x * (1 / d))`` (0 where the block is all zero) -- the C kernel's exact steps."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def ggml_matmul_reference(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: str = "f32") -> torch.Tensor:
+    """``x @ dequant(w).T``; with ``act="q8"`` the activations first go through ``quantize_act_q8``."""
+    _check_matmul(x, w, qtype, k, act)
+    if act == "q8" and x.shape[0]:
+        q, d = quantize_act_q8(x)
+        x = (q.float().reshape(x.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+    return x @ dequantize(w, qtype, k).T
+
+
+def ggml_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: str = "f32") -> torch.Tensor:
+    """``x [M, K]`` float32 @ ``dequant(w [N, row_bytes]).T`` -> ``[M, N]`` float32, in the C kernel
+    when it is built (else the reference)."""
+    _check_matmul(x, w, qtype, k, act)
+    lib = native_library()
+    if lib is None or x.device.type != "cpu":
+        return ggml_matmul_reference(x, w, qtype, k, act=act)
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    x = x.contiguous()
+    w = w.contiguous()
+    fn = lib.ggml_matmul_f32 if act == "f32" else lib.ggml_matmul_q8
+    check_status(fn(x.data_ptr(), w.data_ptr(), m, n, k, _QTYPE_ID[qtype], out.data_ptr()), f"ggml_matmul_{act}")
+    return out
+
+
+def ggml_dequantize_rows_reference(w: torch.Tensor, qtype: str, k: int, rows: torch.Tensor) -> torch.Tensor:
+    _check_rows(w, qtype, k, rows)
+    return dequantize(w.index_select(0, rows.long()), qtype, k)
+
+
+def _check_rows(w: torch.Tensor, qtype: str, k: int, rows: torch.Tensor) -> None:
+    _check_weight(w, qtype, k)
+    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"rows must be a 1-D int64/int32 tensor, got {rows.dtype} of shape {tuple(rows.shape)}")
+    if rows.numel():
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= w.shape[0]:
+            raise ValueError(f"row {lo if lo < 0 else hi} is outside the packed weight's {w.shape[0]} rows")
+
+
+def ggml_dequantize_rows(w: torch.Tensor, qtype: str, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """``[len(rows), K]`` float32: the dequantized rows ``rows`` of ``w`` (an embedding lookup)."""
+    _check_rows(w, qtype, k, rows)
+    lib = native_library()
+    if lib is None or w.device.type != "cpu" or rows.device.type != "cpu":
+        return ggml_dequantize_rows_reference(w, qtype, k, rows)
+    idx = rows.to(torch.int64).contiguous()
+    out = torch.empty(idx.numel(), k, dtype=torch.float32)
+    if idx.numel():
+        w = w.contiguous()
+        lib.ggml_dequant_rows(w.data_ptr(), k, _QTYPE_ID[qtype], idx.data_ptr(), idx.numel(), out.data_ptr())
+    return out
+
+
+_AMX_REASONS = {
+    1: "the CPU does not report AMX-TILE and AMX-INT8",
+    2: "the OS has not enabled the AMX tile state (XCR0)",
+    3: "arch_prctl(ARCH_REQ_XCOMP_PERM) refused the tile data permission",
+}
+
+_PROBE = "from tokenfab.kernels.cpu import native_library; import sys; sys.exit(native_library().ggml_amx_probe())"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+@functools.lru_cache(maxsize=1)
+def amx_status() -> tuple[bool, str]:
+    """(usable, why): the probe runs in a child process, so a VM that reports AMX and then faults
+    on the first tile instruction kills the child, not us."""
+    if "amx_int8" not in _cpu_flags():
+        return False, _AMX_REASONS[1] + " (/proc/cpuinfo)"
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"the AMX probe could not run: {e}"
+    if proc.returncode < 0:
+        return False, f"the probe faulted (signal {-proc.returncode}) on a tile instruction (the CPU reports AMX)"
+    if proc.returncode:
+        return False, _AMX_REASONS.get(proc.returncode, f"the AMX probe failed (exit {proc.returncode})")
+    return True, "AMX tiles work (no AMX kernel yet: the int8 path uses VNNI)"
+
+
+def ggml_kernel_info() -> dict:
+    """Which code path runs: the ISA the library was built for, VNNI, AMX (usable or why not), threads."""
+    lib = native_library()
+    amx, why = amx_status() if lib is not None else (False, "no native library")
+    if lib is None:
+        return {"native": False, "isa": "torch reference", "vnni": False, "f16c": False, "amx": False,
+                "amx_reason": why, "threads": torch.get_num_threads()}
+    bits = int(lib.ggml_isa())
+    isa = "avx512" if bits & 1 else ("avx2" if bits & 2 else "scalar")
+    return {"native": True, "isa": isa, "vnni": bool(bits & 4), "f16c": bool(bits & 8), "amx": amx, "amx_reason": why,
+            "threads": torch.get_num_threads()}
