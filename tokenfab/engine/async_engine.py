@@ -9,6 +9,12 @@ its event loop with one ``call_soon_threadsafe`` per loop per step.
 A request with ``n > 1`` (or several prompts) fans out into one engine request per choice
 (``{id}-{i}``; seeded requests get ``seed + i``; grammar constraints are cloned), merged back into
 one ``RequestStream`` whose chunks carry the choice index.
+
+The engine is either an ``LLMEngine`` stepped on this thread (the in-process backend: tests, the
+offline path, ``tokenfab serve --engine-in-process``) or an ``EngineCoreClient`` whose ``step()``
+waits for the outputs of an engine core running in its own process (``engine/core_client.py``).
+A backend with ``wakeup()`` is woken when work is queued; one with ``on_dead`` reports its own death
+(the core process exited), which fails every stream and makes ``is_dead`` true at once.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ class AsyncEngine:
             self._stats = engine.get_stats()
         except Exception:  # a minimal engine without stats
             self._stats = None
+        self._wakeup = getattr(engine, "wakeup", None)
+        if hasattr(engine, "on_dead"):
+            engine.on_dead = self._backend_died
 
     # ---- properties read by the server ----
     @property
@@ -142,8 +151,12 @@ class AsyncEngine:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # an engine-core process: stop it
+            close()
 
     # ---- submission (event loop side) ----
     def _new_id(self) -> str:
@@ -195,6 +208,7 @@ class AsyncEngine:
             self._pending_count += total
             self._idle.clear()
             self._cv.notify()
+        self._wake()
         return stream
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
@@ -217,6 +231,24 @@ class AsyncEngine:
         with self._cv:
             self._pending_aborts.append(stream)
             self._cv.notify()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt a backend ``step()`` that waits for outputs (an engine-core client)."""
+        if self._wakeup is not None:
+            try:
+                self._wakeup()
+            except Exception:  # pragma: no cover
+                logger.exception("waking the engine backend failed")
+
+    def _backend_died(self, error: EngineDeadError) -> None:
+        """Called by the backend, on any thread, when it cannot go on (the core process died):
+        refuse new requests now; the engine thread fails the streams in flight."""
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._accepting = False
+            self._cv.notify_all()
 
     # ---- the engine thread ----
     def _run(self) -> None:
@@ -233,10 +265,11 @@ class AsyncEngine:
         has_work = False
         while True:
             with self._cv:
-                while not (self._pending_adds or self._pending_aborts or has_work or self._stopping):
+                while not (self._pending_adds or self._pending_aborts or has_work or self._stopping
+                           or self._error is not None):
                     self._idle.set()
                     self._cv.wait()
-                if self._stopping:
+                if self._stopping or self._error is not None:
                     break
                 adds = list(self._pending_adds)
                 self._pending_adds.clear()
@@ -272,8 +305,8 @@ class AsyncEngine:
                 self._in_transit = 0
                 if not has_work and not self._pending_adds:
                     self._idle.set()
-        # Shutting down: abort whatever is left.
-        self._fail_all(EngineDeadError("server shut down"))
+        # Shutting down (or the backend died): fail whatever is left.
+        self._fail_all(self._error or EngineDeadError("server shut down"))
 
     def _do_add(self, stream: RequestStream, subs: list[Choice]) -> None:
         if stream.aborted:
@@ -289,7 +322,8 @@ class AsyncEngine:
             for sub in added:
                 self._subs.pop(sub.engine_id, None)
                 self._safe_abort(sub.engine_id)
-            error = e if isinstance(e, ValueError) else RuntimeError(f"engine rejected the request: {e!r}")
+            error = e if isinstance(e, (ValueError, EngineDeadError)) else \
+                RuntimeError(f"engine rejected the request: {e!r}")
             stream._loop.call_soon_threadsafe(stream._put, error)
             return
         stream._loop.call_soon_threadsafe(stream._set_accepted, None)

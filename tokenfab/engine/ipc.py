@@ -94,8 +94,7 @@ def decode(frame: bytes) -> tuple[str, list[Any]]:
     if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("frame is not bytes or is too large")
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
-                              max_buffer_size=MAX_FRAME_BYTES)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack's ExtraData, FormatError, ValueError, UnicodeDecodeError...
         raise ProtocolError(f"not a msgpack frame: {e}") from None
     if not isinstance(msg, list) or len(msg) < 2:

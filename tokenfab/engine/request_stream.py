@@ -144,7 +144,10 @@ def choice_params(params: SamplingParams, i: int, clone_constraint: bool) -> Sam
         clone = getattr(constraint, "clone", None)
         if clone is None:
             raise ValueError("this constraint cannot be shared by several choices (n > 1)")
+        spec = getattr(constraint, "spec_json", None)  # what an engine-core process compiles it from
         constraint = clone()
+        if spec is not None:
+            constraint.spec_json = spec
     seed = (params.seed + i) % (SEED_MAX + 1) if params.seed is not None else None
     if params.n == 1 and seed == params.seed and constraint is params.constraint:
         return params

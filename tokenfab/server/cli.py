@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import socket
 import sys
 import time
 
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="let requests pass their own chat_template (default: refused with a 400)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish (default 30)")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine in a thread of the API server process (default: its own process)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes sharing the port, all served by one engine core (default 1)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="no per-request log lines")
 
@@ -51,26 +56,90 @@ def banner(url: str, model: str, kv_tokens: int | None, max_model_len: int, api_
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tokenfab.engine.async_engine import AsyncEngine
-    from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.server.app import ServerConfig, build_app
-
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for flag in ("max_waiting", "max_request_bytes", "max_prompts_per_request"):
+    for flag in ("max_waiting", "max_request_bytes", "max_prompts_per_request", "api_server_count"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             print(f"tokenfab serve: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if args.api_server_count > 1:
+        if args.engine_in_process:
+            print("tokenfab serve: --api-server-count > 1 needs the engine in its own process "
+                  "(drop --engine-in-process)", file=sys.stderr)
+            return 2
+        from tokenfab.server.api_process import run_multi
+
+        return run_multi(args)
     t0 = time.perf_counter()
-    try:
-        engine = LLMEngine(EngineArgs.from_cli_args(args))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"tokenfab serve: cannot load the model: {e}", file=sys.stderr)
+    engine = load_engine(args)
+    if engine is None:
         return 1
     load_s = time.perf_counter() - t0
+    try:
+        sock = bind(args)
+    except OSError:
+        print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
+        _close(engine)
+        return 1
+    print(f"model loaded in {load_s:.1f}s", flush=True)
+    print_banner(args, sock, engine.model_name, getattr(engine, "kv_cache_tokens", None), engine.max_model_len)
+    serve_on(args, engine, sock)
+    return 0
+
+
+def load_engine(args: argparse.Namespace) -> object | None:
+    """The engine the API server drives: an ``EngineCoreClient`` on an engine-core process
+    (default), or an in-process ``LLMEngine`` (--engine-in-process). None (message printed) if the
+    model cannot be loaded."""
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        if args.engine_in_process:
+            from tokenfab.engine.llm_engine import LLMEngine
+
+            return LLMEngine(engine_args)
+        from tokenfab.engine.core_client import EngineCoreClient
+
+        return EngineCoreClient.spawn(engine_args, args.log_level)
+    except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        print(f"tokenfab serve: cannot load the model: {e}", file=sys.stderr)
+        return None
+
+
+def _close(engine: object) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+def bind(args: argparse.Namespace) -> socket.socket:
+    """The listening socket, bound and listening before the banner says the server is up:
+    connections that arrive while uvicorn starts wait in the backlog instead of being refused."""
+    import uvicorn
+
+    uv_config = uvicorn.Config(None, host=args.host, port=args.port)  # type: ignore[arg-type]
+    try:
+        sock = uv_config.bind_socket()
+    except SystemExit as e:
+        raise OSError(f"cannot bind {args.host}:{args.port}") from e
+    sock.listen(uv_config.backlog)
+    return sock
+
+
+def print_banner(args: argparse.Namespace, sock: socket.socket, model: str, kv_tokens: int | None,
+                 max_model_len: int) -> None:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(banner(f"http://{shown}:{port}", model, kv_tokens, max_model_len, bool(args.api_key)), flush=True)
+
+
+def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> None:
+    """uvicorn on ``sock`` over ``engine`` until SIGTERM/SIGINT (which drain the running requests)."""
+    import uvicorn
+
+    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.server.app import ServerConfig, build_app
+
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
     config = ServerConfig(api_key=args.api_key or None, max_waiting=args.max_waiting,
                           drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
@@ -81,20 +150,9 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=max(1, int(args.drain_timeout)), timeout_keep_alive=30,
     )
-    try:
-        sock = uv_config.bind_socket()
-    except SystemExit:
-        print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
-        return 1
-    # listen now, before the banner says the server is up: connections that arrive while uvicorn
-    # starts wait in the backlog instead of being refused
-    sock.listen(uv_config.backlog)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    kv_tokens = getattr(engine, "kv_cache_tokens", None)
-    print(f"model loaded in {load_s:.1f}s", flush=True)
-    print(banner(f"http://{shown}:{port}", engine.model_name, kv_tokens, engine.max_model_len,
-                 bool(config.api_key)), flush=True)
     server = uvicorn.Server(uv_config)
-    server.run(sockets=[sock])
-    return 0
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if async_engine._thread is None:  # never started (uvicorn failed early): stop the core anyway
+            _close(engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -159,9 +160,12 @@ class OpenAIServer:
                                    param="response_format") from e
         rf = response_format.model_dump(by_alias=True, exclude_none=True)
         try:
-            return await asyncio.to_thread(self._structured.from_response_format, rf)
+            constraint = await asyncio.to_thread(self._structured.from_response_format, rf)
         except StructuredOutputError as e:
             raise APIError(400, str(e), param="response_format") from e
+        if constraint is not None:  # an engine-core process compiles the grammar again from this spec
+            constraint.spec_json = json.dumps(rf)
+        return constraint
 
     def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None,
                         constraint: Any, prompt_logprobs: int | None = None) -> SamplingParams:
