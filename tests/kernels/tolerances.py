@@ -45,3 +45,28 @@ def assert_train_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), equal_nan=False, **tol)
+
+
+# Elementwise training kernels (issue 18: RMSNorm, RoPE, gated activations) compute in fp32 and round
+# once; the reference runs the Hugging Face module's operations, which in bf16 round intermediate
+# values (d(weight * x) in bf16, autograd's bf16 gradient sums). Where a gradient is a small
+# difference or a sum of larger terms (RMSNorm's dx = rstd * (g - xh * mean(g * xh)), its dw summed
+# over rows, dx + the residual's gradient), both sides carry rounding errors the size of a term,
+# not of the result, so an element near zero can differ by more than an elementwise tolerance while
+# the kernel is the more exact of the two. Liger's RMSNorm test allows atol 0.2 in bf16 for this; we
+# scale instead: bf16 absolute tolerance = 2 eps (1.6e-2) times the RMS of the expected tensor (a
+# gradient of typical size 1 is then allowed 1.6e-2 anywhere). fp32: the plain TRAIN_TOLERANCES plus
+# 1e-5 times the RMS (fp32 sums of many terms).
+TRAIN_SCALED_ATOL: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def assert_train_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """``assert_train_close`` with the absolute tolerance widened by TRAIN_SCALED_ATOL x RMS(expected)."""
+    dtype = dtype or expected.dtype
+    tol = dict(TRAIN_TOLERANCES[dtype])
+    e = expected.detach().cpu().float()
+    if e.numel():
+        tol["atol"] += TRAIN_SCALED_ATOL[dtype] * float(e.pow(2).mean().sqrt())
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    torch.testing.assert_close(actual.detach().cpu().float(), e, equal_nan=False, **tol)

@@ -1,0 +1,140 @@
+"""rms_norm_train (kernels/norm_train.py): output and every gradient vs autograd on the reference and
+on Hugging Face's LlamaRMSNorm / GemmaRMSNorm, through the Triton kernels (interpreter) and the
+torch twins, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import train_helpers
+from tests.kernels.tolerances import assert_train_close_scaled
+from tests.kernels.train_helpers import check_against, forward_backward
+from tokenfab.kernels import norm_train
+from tokenfab.kernels.norm_train import rms_norm_train, rms_norm_train_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+kernel_path = train_helpers.kernel_path  # the fixture: every test below runs on both paths
+SHAPES = [(1, 64), (5, 1000), (3, 7, 576), (2, 3, 96)]  # one row, odd / non-power-of-2 hidden sizes
+
+
+def _rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_train(shape, dtype, residual, offset, kernel_path, gen):
+    x = _rand(shape, dtype, gen, 2.0)
+    w = 1.0 + 0.3 * _rand(shape[-1], dtype, gen)
+    r = _rand(shape, dtype, gen) if residual else None
+    upstream = [_rand(shape, dtype, gen)] + ([_rand(shape, dtype, gen)] if residual else [])
+    check_against(lambda x, w, r: rms_norm_train(x, w, 1e-6, r, offset),
+                  lambda x, w, r: rms_norm_train_ref(x, w, 1e-6, r, offset), [x, w, r], upstream)
+
+
+def test_weight_gradient_reduced_across_programs(monkeypatch, gen):
+    """Several programs (as on a GPU) each sum their rows into a partial dw; the partials add up."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    monkeypatch.setattr(norm_train, "num_sms", lambda device: 3)
+    x, r = _rand((10, 200), torch.float32, gen), _rand((10, 200), torch.float32, gen)
+    w = _rand(200, torch.float32, gen)
+    up = [_rand((10, 200), torch.float32, gen), _rand((10, 200), torch.float32, gen)]
+    check_against(lambda x, w, r: rms_norm_train(x, w, 1e-5, r), lambda x, w, r: rms_norm_train_ref(x, w, 1e-5, r),
+                  [x, w, r], up)
+
+
+def test_mixed_dtypes_follow_hf(kernel_path, gen):
+    """bf16 activations with an fp32 weight: HF's ``weight * x.to(bf16)`` promotes to fp32."""
+    x, w = _rand((4, 160), torch.bfloat16, gen), _rand(160, torch.float32, gen)
+    up = [_rand((4, 160), torch.float32, gen)]
+    outs, _ = forward_backward(lambda x, w: rms_norm_train(x, w, 1e-6), [x, w], up)
+    assert outs[0].dtype == torch.float32
+    check_against(lambda x, w: rms_norm_train(x, w, 1e-6), lambda x, w: rms_norm_train_ref(x, w, 1e-6), [x, w],
+                  up, torch.bfloat16)
+
+
+def _hf_norm(kind: str, hidden: int, weight: torch.Tensor, eps: float):
+    if kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm as cls
+    else:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as cls
+    mod = cls(hidden, eps=eps)
+    with torch.no_grad():
+        mod.weight.copy_(weight)
+    return mod.to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_matches_hf_module(kind, dtype, kernel_path, gen):
+    """The reference is HF's module exactly; the kernels equal it within tolerance, grads included."""
+    shape = (2, 5, 576)
+    x = _rand(shape, dtype, gen, 3.0)
+    w = _rand(576, dtype, gen) * (0.2 if kind == "gemma" else 1.0)
+    dy = _rand(shape, dtype, gen)
+    offset = 1.0 if kind == "gemma" else 0.0
+    mod = _hf_norm(kind, 576, w, 1e-6)
+    xl = x.clone().requires_grad_()
+    y_hf = mod(xl)
+    y_hf.backward(dy)
+    ref_out, ref_grads = forward_backward(lambda x, w: rms_norm_train_ref(x, w, 1e-6, None, offset), [x, w], [dy])
+    assert torch.equal(ref_out[0], y_hf.detach())
+    assert torch.equal(ref_grads[0], xl.grad) and torch.equal(ref_grads[1], mod.weight.grad)
+    outs, grads = forward_backward(lambda x, w: rms_norm_train(x, w, 1e-6, None, offset), [x, w], [dy])
+    assert_train_close_scaled(outs[0], y_hf.detach())
+    assert_train_close_scaled(grads[0], xl.grad)
+    assert_train_close_scaled(grads[1], mod.weight.grad)
+
+
+def test_fused_residual_matches_hf_decoder_add(kernel_path, gen):
+    """(y, s) = norm(x + residual), s = x + residual: the decoder layer's add + post-attention norm."""
+    x, res = _rand((3, 96), torch.float32, gen), _rand((3, 96), torch.float32, gen)
+    w = _rand(96, torch.float32, gen)
+    mod = _hf_norm("llama", 96, w, 1e-5)
+    y, s = rms_norm_train(x, w, 1e-5, res)
+    assert torch.equal(s, x + res)
+    assert_train_close_scaled(y, mod(x + res).detach())
+
+
+def test_empty_and_bad_input(kernel_path):
+    x = torch.empty(0, 64, requires_grad=True)
+    w = torch.ones(64, requires_grad=True)
+    y = rms_norm_train(x, w, 1e-6)
+    y.sum().backward()
+    assert y.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_train(torch.ones(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_train(torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(2, 8, dtype=torch.bfloat16))
+
+
+def test_torch_compile_module(monkeypatch, gen):
+    """A module using the op traces under torch.compile (fullgraph; the custom ops' fake impls) and
+    gives the eager values and gradients (CPU, the torch path)."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(48, generator=gen))
+            self.lin = torch.nn.Linear(48, 48)
+
+        def forward(self, x, res):
+            y, s = rms_norm_train(self.lin(x), self.w, 1e-6, res)
+            return rms_norm_train(y, self.w, 1e-6, offset=1.0) + s
+
+    torch.manual_seed(0)
+    block = Block()
+    x, res = _rand((2, 6, 48), torch.float32, gen), _rand((2, 6, 48), torch.float32, gen)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (block, compiled):
+        block.zero_grad()
+        out = fn(x, res)
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), block.w.grad.clone(), block.lin.weight.grad.clone()))
+    for a, b in zip(*grads):
+        assert_train_close_scaled(a, b)

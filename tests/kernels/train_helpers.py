@@ -1,0 +1,50 @@
+"""Shared by the training-kernel tests: run a function forward and backward, compare with an oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from tests.kernels.tolerances import assert_train_close_scaled
+
+PATHS = ["triton", "torch"]  # TOKENFAB_KERNELS: the Triton kernels (interpreter on CPU) / the torch twins
+
+
+@pytest.fixture(params=PATHS)
+def kernel_path(request, monkeypatch) -> str:
+    monkeypatch.setenv("TOKENFAB_KERNELS", request.param)
+    return request.param
+
+
+def forward_backward(fn: Callable, inputs: Sequence[torch.Tensor | None], upstream: Sequence[torch.Tensor],
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Outputs of ``fn(*inputs)`` and the gradients of every input given the upstream gradients."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    assert len(outs) == len(upstream)
+    wanted = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(outs, wanted, upstream))
+    return [o.detach() for o in outs], [None if t is None else next(grads) for t in leaves]
+
+
+def check_against(fn: Callable, ref: Callable, inputs: Sequence[torch.Tensor | None],
+                  upstream: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    """Every output and every input's gradient of ``fn`` equals the oracle's (scaled training tolerance)."""
+    outs, grads = forward_backward(fn, inputs, upstream)
+    ref_outs, ref_grads = forward_backward(ref, inputs, upstream)
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        try:
+            assert_train_close_scaled(o, r, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"output {i}: {e}") from None
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        if r is None:
+            assert g is None
+            continue
+        try:
+            assert_train_close_scaled(g, r, dtype)
+        except AssertionError as e:
+            raise AssertionError(f"gradient of input {i}: {e}") from None
