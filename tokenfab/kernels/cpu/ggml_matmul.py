@@ -104,18 +104,27 @@ def ggml_matmul_reference(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, 
 def ggml_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: str = "f32") -> torch.Tensor:
     """``x [M, K]`` float32 @ ``dequant(w [N, row_bytes]).T`` -> ``[M, N]`` float32, in the C kernel
     when it is built (else the reference)."""
-    _check_matmul(x, w, qtype, k, act)
     lib = native_library()
-    if lib is None or x.device.type != "cpu":
-        return ggml_matmul_reference(x, w, qtype, k, act=act)
+    bb = BLOCK_BYTES.get(qtype, 0)
+    # the decode hot path: a few attribute reads, then the call (about 200 of these a token)
+    if not (lib is not None and bb and x.dtype == torch.float32 and w.dtype == torch.uint8 and x.dim() == 2
+            and w.dim() == 2 and x.is_cpu and w.is_cpu and k > 0 and k % 32 == 0 and x.shape[1] == k
+            and w.shape[1] == k // 32 * bb and act in ACT_MODES):
+        _check_matmul(x, w, qtype, k, act)
+        if lib is None or not x.is_cpu:
+            return ggml_matmul_reference(x, w, qtype, k, act=act)
     m, n = x.shape[0], w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     if m == 0 or n == 0:
         return out
-    x = x.contiguous()
-    w = w.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
     fn = lib.ggml_matmul_f32 if act == "f32" else lib.ggml_matmul_q8
-    check_status(fn(x.data_ptr(), w.data_ptr(), m, n, k, _QTYPE_ID[qtype], out.data_ptr()), f"ggml_matmul_{act}")
+    rc = fn(x.data_ptr(), w.data_ptr(), m, n, k, _QTYPE_ID[qtype], out.data_ptr())
+    if rc:
+        check_status(rc, f"ggml_matmul_{act}")
     return out
 
 
