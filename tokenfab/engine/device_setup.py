@@ -74,3 +74,29 @@ def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, enabled
         log.info("not packing CPU weights: %.1f GiB of weights", weight_bytes / 2**30)
         return 0
     return prepack_cpu_linears(model)
+
+
+def memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: int = 0) -> dict[str, float]:
+    """Weight bytes per parameter (packed GGUF rows as stored, tied tensors once; ``copy_bytes``:
+    the MKL/oneDNN packed copies, on top) and KV cache bytes per token, as served."""
+    from tokenfab.engine.model_runner import kv_bytes_per_token
+    from tokenfab.layers.ggml_linear import packed_bytes
+
+    nbytes, numel = packed_bytes(model)
+    return {
+        "weight_bytes": float(nbytes + copy_bytes),
+        "num_params": float(numel),
+        "weight_bytes_per_param": (nbytes + copy_bytes) / max(numel, 1),
+        "kv_bytes_per_token": float(kv_bytes_per_token(model, dtype)),
+    }
+
+
+def log_memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: int = 0) -> dict[str, float]:
+    figures = memory_figures(model, dtype, copy_bytes)
+    log.info(
+        "memory: %.0f MiB of weights for %.1fM parameters = %.3f bytes/parameter%s; KV cache %d bytes/token",
+        figures["weight_bytes"] / 2**20, figures["num_params"] / 1e6, figures["weight_bytes_per_param"],
+        f" (incl. {copy_bytes / 2**20:.0f} MiB of packed GEMM copies)" if copy_bytes else "",
+        figures["kv_bytes_per_token"],
+    )
+    return figures

@@ -14,6 +14,7 @@ import torch
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
     default_cpu_kv_bytes,
+    log_memory_figures,
     maybe_pack_cpu_weights,
     physical_memory_bytes,
     resolve_device,
@@ -54,6 +55,8 @@ class EngineStats:
     last_step_num_seqs: int
     last_step_prefill_tokens: int
     last_step_decode_tokens: int
+    weight_bytes_per_param: float = 0.0  # as stored (packed GGUF rows: ~0.6-1.1)
+    kv_bytes_per_token: float = 0.0
 
 
 class LLMEngine:
@@ -78,7 +81,8 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
         if self.device.type == "cpu":
             tune_cpu_allocator()
-        maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
+        copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
+        self.memory = log_memory_figures(self.model, self.dtype, copies)
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
         if self.device.type == "cuda" and not args.enforce_eager:
@@ -467,4 +471,6 @@ class LLMEngine:
             last_step_num_seqs=self._last[0],
             last_step_prefill_tokens=self._last[1],
             last_step_decode_tokens=self._last[2],
+            weight_bytes_per_param=self.memory["weight_bytes_per_param"],
+            kv_bytes_per_token=self.memory["kv_bytes_per_token"],
         )

@@ -32,13 +32,12 @@ def check_quantization_arg(quantization: str | None) -> None:
 def native_ggml_available() -> bool:
     """Whether the packed products run in native code (else they would dequantize every call)."""
     try:
-        from tokenfab.kernels.cpu.ggml_matmul import ggml_kernel_info
-    except ImportError:
+        from tokenfab.kernels.cpu import native_library
+
+        lib = native_library()
+    except (ImportError, OSError):
         return False
-    try:
-        return bool(ggml_kernel_info().get("native", False))
-    except Exception:  # a broken build falls back, as every native kernel does
-        return False
+    return lib is not None and hasattr(lib, "ggml_matmul_f32")
 
 
 def resolve_gguf_mode(quantization: str | None, ckpt: GGUFCheckpoint, dtype: torch.dtype,

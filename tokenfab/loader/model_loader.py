@@ -89,6 +89,8 @@ def load_model(
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(path, "no such file or directory")
+    if path.is_dir() and quantization not in (None, "none"):
+        raise ValueError(f"--quantization {quantization} applies to .gguf files; {path} is a directory")
     if path.is_file() and path.suffix == ".gguf":
         from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
         from tokenfab.loader.gguf_mode import resolve_gguf_mode
@@ -111,8 +113,6 @@ def load_model(
         tokenizer = _hf_tokenizer(path) if load_tokenizer else None
     else:
         raise ModelLoadError(path, "expected a model directory or a .gguf file")
-    if path.is_dir() and quantization not in (None, "none"):
-        raise ValueError(f"--quantization {quantization} applies to .gguf files; {path} is a directory")
     max_len = min(max_model_len or config_max_len(config), config_max_len(config))
     model = _build(arch, config, dtype, device, max_len, path)
     if path.suffix == ".gguf" and gguf_act is not None:

@@ -55,6 +55,9 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_used_blocks", "KV cache blocks in use.", get("num_used_blocks"))
         yield gauge("kv_cache_total_blocks", "KV cache blocks in all.", get("num_total_blocks"))
         yield gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.", get("kv_cache_tokens"))
+        yield gauge("weight_bytes_per_param", "Weight bytes per model parameter as held in memory.",
+                    get("weight_bytes_per_param"))
+        yield gauge("kv_cache_bytes_per_token", "KV cache bytes per token.", get("kv_bytes_per_token"))
         yield gauge("prefix_cache_hit_rate", "Prefix cache hit rate (blocks).", get("prefix_cache_hit_rate"))
         yield counter("prompt_tokens", "Prompt tokens received.", get("prompt_tokens_total"))
         yield counter("generation_tokens", "Tokens generated.", get("generation_tokens_total"))
