@@ -1,0 +1,93 @@
+"""silu_and_mul_train / gelu_and_mul_train (kernels/activation_train.py): output and both inputs'
+gradients vs autograd on the reference and on Hugging Face's LlamaMLP / GemmaMLP activation, through
+the Triton kernels (interpreter) and the torch twins, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import train_helpers
+from tests.kernels.tolerances import assert_train_close_scaled
+from tests.kernels.train_helpers import check_against, forward_backward
+from tokenfab.kernels.activation_train import (
+    gelu_and_mul_train,
+    gelu_and_mul_train_ref,
+    silu_and_mul_train,
+    silu_and_mul_train_ref,
+)
+
+kernel_path = train_helpers.kernel_path  # the fixture: tests taking it run on both paths
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(1, 64), (3, 1000), (2, 5, 1536), (7, 2049)]  # one row, odd sizes, several blocks with a tail
+ACTS = {
+    "silu": (silu_and_mul_train, silu_and_mul_train_ref),
+    "gelu_tanh": (lambda g, u: gelu_and_mul_train(g, u, "tanh"), lambda g, u: gelu_and_mul_train_ref(g, u, "tanh")),
+    "gelu": (lambda g, u: gelu_and_mul_train(g, u, "none"), lambda g, u: gelu_and_mul_train_ref(g, u, "none")),
+}
+
+
+def _rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_act_and_mul_train(shape, dtype, act, kernel_path, gen):
+    fn, ref = ACTS[act]
+    gate, up = _rand(shape, dtype, gen, 3.0), _rand(shape, dtype, gen)
+    check_against(fn, ref, [gate, up], [_rand(shape, dtype, gen)])
+
+
+def test_extreme_gates(kernel_path):
+    """Saturated gates (|g| up to 100): no overflow or NaN in the exp/tanh of the derivatives."""
+    gate = torch.linspace(-100, 100, 401)
+    up, dout = torch.ones(401), torch.ones(401)
+    for fn, ref in ACTS.values():
+        check_against(fn, ref, [gate, up], [dout])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh"])
+def test_matches_hf_mlp_activation(hidden_act, dtype, kernel_path, gen):
+    """HF's MLP computes ``act_fn(gate_proj(x)) * up_proj(x)``: the same values and gradients."""
+    from transformers.activations import ACT2FN
+
+    act_fn = ACT2FN[hidden_act]
+    ours = silu_and_mul_train if hidden_act == "silu" else gelu_and_mul_train
+    gate, up, dout = (_rand((4, 9, 576), dtype, gen, 2.0) for _ in range(3))
+    hf_out, hf_grads = forward_backward(lambda g, u: act_fn(g) * u, [gate, up], [dout])
+    outs, grads = forward_backward(ours, [gate, up], [dout])
+    for a, b in zip(outs + grads, hf_out + hf_grads):
+        assert_train_close_scaled(a, b)
+
+
+def test_bad_input(kernel_path):
+    with pytest.raises(ValueError, match="must match"):
+        silu_and_mul_train(torch.ones(2, 4), torch.ones(2, 5))
+    with pytest.raises(ValueError, match="approximate"):
+        gelu_and_mul_train(torch.ones(2, 4), torch.ones(2, 4), "sigmoid")
+    empty = torch.empty(0, 8, requires_grad=True)
+    assert silu_and_mul_train(empty, empty).shape == (0, 8)
+
+
+def test_torch_compile_module(monkeypatch, gen):
+    """An MLP using the ops traces under torch.compile (fullgraph) with the eager values and grads."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
+    torch.manual_seed(0)
+    gate_up, down = torch.nn.Linear(16, 64), torch.nn.Linear(32, 16)
+
+    def mlp(x):
+        g, u = gate_up(x).chunk(2, dim=-1)
+        return down(silu_and_mul_train(g, u) + gelu_and_mul_train(g, u))
+
+    x = _rand((3, 16), torch.float32, gen)
+    results = []
+    for fn in (mlp, torch.compile(mlp, fullgraph=True, backend="aot_eager")):
+        gate_up.zero_grad()
+        out = fn(x)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), gate_up.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert_train_close_scaled(a, b)
