@@ -58,7 +58,7 @@ CASES = [
     (37, 32, 1000, 8),  # chunks that do not divide T
     (9, 24, 49152, 4),  # the bundled model's vocabulary at small T (12 blocks of 4096)
     (20, 16, 257, 7),
-    (64, 48, 2048, None),  # the default chunk (64 rows: one chunk)
+    (260, 32, 1000, None),  # the default chunk (256 rows, then 4)
 ]
 
 
@@ -140,8 +140,8 @@ def test_row_kernel_matches_torch_rows(smoothing, z, dtype, device, gen):
 
 
 def test_default_chunk_bounds_the_logits():
-    # the bundled model: H 576, V 49152 -> 2048 tokens in chunks of 64 rows (the logits chunk: 1/32 of T x V)
-    assert L.default_chunk_size(2048, 576, 49152) == 64
+    # the bundled model: H 576, V 49152 -> 2048 tokens in chunks of 256 rows (the logits chunk: 1/8 of T x V)
+    assert L.default_chunk_size(2048, 576, 49152) == 256
     assert L.default_chunk_size(1, 576, 49152) == 1
     assert L.default_chunk_size(65536, 4096, 128256) == 2048
 

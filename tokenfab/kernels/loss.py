@@ -128,21 +128,27 @@ def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, grad_scale: torch.T
     x = logits.float()
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0).long()[:, None]
-    lse = torch.logsumexp(x, dim=-1)
-    loss = lse - (1.0 - label_smoothing) * x.gather(1, safe).squeeze(1)
+    loss = -(1.0 - label_smoothing) * x.gather(1, safe).squeeze(1)
     if label_smoothing > 0:
         loss = loss - label_smoothing / v * x.sum(dim=-1)
+    # one exp pass: p = exp(x - max) / sum, lse = max + log(sum)
+    m = x.amax(dim=-1, keepdim=True)
+    e = x.sub_(m).exp_()
+    s = e.sum(dim=-1, keepdim=True)
+    lse = (m + s.log()).squeeze(1)
+    loss = loss + lse
+    # per-row factor of the softmax term: validity, the reduction's scale, the z-loss's (1 + 2 z lse)
+    row = valid.to(torch.float32) * grad_scale.reshape(1)
     if z_loss_scale > 0:
         loss = loss + z_loss_scale * lse * lse
-    g = x.sub_(lse[:, None]).exp_()
-    if z_loss_scale > 0:
-        g.mul_((1.0 + 2.0 * z_loss_scale * lse)[:, None])
+        e.mul_((row * (1.0 + 2.0 * z_loss_scale * lse))[:, None] / s)
+    else:
+        e.mul_(row[:, None] / s)
     if label_smoothing > 0:
-        g.sub_(label_smoothing / v)
-    g.scatter_add_(1, safe, torch.full_like(safe, label_smoothing - 1.0, dtype=g.dtype))
-    g.mul_(valid[:, None] * grad_scale.reshape(1, 1))
-    if g.data_ptr() != logits.data_ptr():
-        logits.copy_(g)
+        e.sub_((label_smoothing / v) * row[:, None])
+    e.scatter_add_(1, safe, (label_smoothing - 1.0) * row[:, None])
+    if e.data_ptr() != logits.data_ptr():
+        logits.copy_(e)
     zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
     return torch.where(valid, loss, zero), torch.where(valid, lse, zero)
 
@@ -152,9 +158,10 @@ def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, grad_scale: torch.T
 
 def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
     """Rows per chunk: T / ceil(V / H) rounded up to a power of two (the logits chunk is about as
-    large as the hidden states; Liger's rule), at least 64 rows so each GEMM stays efficient."""
+    large as the hidden states; Liger's rule), at least 256 rows so each GEMM stays efficient (on
+    CPU at 2048 tokens x 49152 vocabulary, 256 rows ran ~20% faster than 64 for 62 vs 26 MiB peak)."""
     rows = next_pow2(triton.cdiv(num_tokens, triton.cdiv(vocab, max(hidden, 1))))
-    return max(1, min(num_tokens, max(rows, 64)))
+    return max(1, min(num_tokens, max(rows, 256)))
 
 
 def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss_scale, reduction, chunk_size):
