@@ -167,3 +167,11 @@ def test_bad_input(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         L.fused_linear_cross_entropy(**args)
+
+
+def test_second_backward_is_a_clear_error(gen):
+    hid, w, _, labels = _inputs(5, 8, 50, F32, "cpu", gen)
+    loss = L.fused_linear_cross_entropy(hid, w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per call"):
+        loss.backward()

@@ -253,6 +253,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("fused_linear_cross_entropy: its gradients were already used (one backward per call)")
+        ctx.grads = None  # the engine then owns the only reference: AccumulateGrad takes them without a copy
         # identity fast path on CPU (free to check there; on a GPU the check would be a sync and
         # the multiply costs little next to the GEMMs)
         if not (grad_out.device.type == "cpu" and float(grad_out) == 1.0):
