@@ -166,6 +166,30 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         moe_train._grouped_mm_triton(dy, w, counts, transpose_w=False)
         moe_train._grouped_wgrad_triton(dy, x, counts, e)
 
+    def norm_train(t, h, dtype, residual, offset=0.0):
+        from tokenfab.kernels import norm_train as nt
+
+        x, w = torch.empty(t, h, dtype=dtype), torch.empty(h, dtype=dtype)
+        r = torch.empty_like(x) if residual else None
+        nt._rms_norm_train_fwd_triton(x, w, r, 1e-6, offset)
+        nt._rms_norm_train_bwd_triton(x, r, x, w, torch.empty(t), offset)
+
+    def rope_train(b, hq, hk, t, d, dtype):
+        from tokenfab.kernels import rope_train as rt
+
+        cs = torch.empty(b, t, d, dtype=dtype)
+        for h in (hq, hk):
+            x = torch.empty(b, t, h, d, dtype=dtype).transpose(1, 2)  # HF's layout
+            rt._rope_train_triton(x, cs, cs, False)
+            rt._rope_train_triton(x, cs, cs, True)
+
+    def act_train(t, i, dtype, act):
+        from tokenfab.kernels import activation_train as at
+
+        g = torch.empty(t, i, dtype=dtype)
+        at._act_fwd_triton(g, g, act)
+        at._act_bwd_triton(g, g, g, act)
+
     def samp(b, v, dtype):
         sampling._sample_triton(torch.randn(b, v, dtype=dtype), torch.ones(b), torch.full((b,), 50),
                                 torch.full((b,), 0.9), torch.zeros(b), torch.arange(b))
@@ -213,6 +237,16 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         ("grouped gemm train bf16 qwen3-30b-a3b gate_up T=8192x8", lambda: grouped_train(65536, 128, 1536, 2048, BF16)),
         ("grouped gemm train bf16 qwen3-30b-a3b down T=8192x8", lambda: grouped_train(65536, 128, 2048, 768, BF16)),
         ("grouped gemm train fp32 [4096, 8 experts] 576x1536", lambda: grouped_train(4096, 8, 1536, 576, F32)),
+        ("rms_norm_train bf16 [8192, 4096] +residual", lambda: norm_train(8192, 4096, BF16, True)),
+        ("rms_norm_train bf16 [8192, 2304] gemma", lambda: norm_train(8192, 2304, BF16, False, 1.0)),
+        ("rms_norm_train bf16 [2048, 16384] (largest row)", lambda: norm_train(2048, 16384, BF16, True)),
+        ("rms_norm_train fp32 [2048, 576] +residual", lambda: norm_train(2048, 576, F32, True)),
+        ("rms_norm_train bf16 qk-norm [8192x32, 128]", lambda: norm_train(8192 * 32, 128, BF16, False)),
+        ("rope_train bf16 B4 T2048 32/8 heads d128", lambda: rope_train(4, 32, 8, 2048, 128, BF16)),
+        ("rope_train fp32 B2 T512 9/3 heads d64", lambda: rope_train(2, 9, 3, 512, 64, F32)),
+        ("silu_and_mul_train bf16 [8192, 14336]", lambda: act_train(8192, 14336, BF16, "silu")),
+        ("gelu_and_mul_train bf16 tanh [8192, 9216]", lambda: act_train(8192, 9216, BF16, "gelu_tanh")),
+        ("gelu_and_mul_train fp32 erf [2048, 1536]", lambda: act_train(2048, 1536, F32, "gelu")),
     ]
 
 
@@ -220,18 +254,22 @@ def kernel_modules() -> list:
     """The modules whose Triton kernels this script compiles (the MLA/DSA and MoE ones have their own)."""
     from tokenfab.kernels import (
         activation,
+        activation_train,
         attention_decode,
         attention_prefill,
         kv_cache,
         loss,
         moe_train,
         norm,
+        norm_train,
         paged,
         rope,
+        rope_train,
         sampling,
     )
 
-    return [activation, attention_decode, attention_prefill, kv_cache, loss, moe_train, norm, paged, rope, sampling]
+    return [activation, activation_train, attention_decode, attention_prefill, kv_cache, loss, moe_train, norm,
+            norm_train, paged, rope, rope_train, sampling]
 
 
 def patch_kernels(modules: list, results: list[dict], label: Callable[[], str]) -> list[tuple]:

@@ -94,3 +94,14 @@ def test_moe_train_grouped_gemms_use_hgmma(records):
     for r in grouped:
         if r["config"]["DOT_PREC"] != "ieee":
             assert r["hgmma"] > 0, f"{r['workload']} {r['kernel']}: no HGMMA in the SASS"
+
+
+def test_training_elementwise_kernels_compile(records):
+    """Issue 18's RMSNorm / RoPE / gated-activation training kernels: forward and backward compiled,
+    up to the largest row the Triton RMSNorm takes (16384: the backward holds a row in 32 warps)."""
+    from tokenfab.kernels.norm_train import MAX_HIDDEN
+
+    kernels = {r["kernel"] for r in records if "_train" in r["workload"]}
+    assert {"_rms_norm_train_fwd_kernel", "_rms_norm_train_bwd_kernel", "_rope_train_kernel",
+            "_act_and_mul_train_fwd_kernel", "_act_and_mul_train_bwd_kernel"} <= kernels
+    assert any(r["kernel"] == "_rms_norm_train_bwd_kernel" and r["config"]["BLOCK_H"] == MAX_HIDDEN for r in records)
