@@ -15,12 +15,14 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -28,6 +30,7 @@ import zmq
 
 from tokenfab.engine import ipc
 from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.core_process import pid_alive, pid_fd
 
 log = logging.getLogger("tokenfab.server")
 
@@ -109,6 +112,17 @@ def run_multi(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """The parent is gone (killed): stop as if told to (uvicorn shuts down on SIGTERM)."""
+    fd = pid_fd(parent)
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while pid_alive(parent):
+            time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenfab-api-server")
     parser.add_argument("--fd", type=int, required=True)
@@ -124,6 +138,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     from tokenfab.server.cli import serve_on
 
     client = EngineCoreClient(ns.address, ns.core_pid, load_tokenizer(args.model))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sock = socket.socket(fileno=ns.fd)
     serve_on(args, client, sock)
     return 0

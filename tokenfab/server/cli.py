@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
         _close(engine)
         return 1
-    print(f"model loaded in {load_s:.1f}s", flush=True)
+    core = getattr(engine, "core_pid", None)
+    print(f"model loaded in {load_s:.1f}s" + (f"; engine core pid {core}" if core else " (engine in process)"),
+          flush=True)
     print_banner(args, sock, engine.model_name, getattr(engine, "kv_cache_tokens", None), engine.max_model_len)
     serve_on(args, engine, sock)
     return 0
