@@ -12,7 +12,10 @@ import torch
 
 from tokenfab.kernels import activation, attention, dsa, kv_cache, mla, norm, rope, sampling
 from tokenfab.kernels._dispatch import backend, choose, eager_op
+from tokenfab.kernels.activation_train import gelu_and_mul_train, silu_and_mul_train
 from tokenfab.kernels.cpu import elementwise as native
+from tokenfab.kernels.norm_train import rms_norm_train
+from tokenfab.kernels.rope_train import rope_train
 
 rms_norm = eager_op(norm.rms_norm, norm.rms_norm_ref, native.rms_norm)
 add_rms_norm = eager_op(norm.add_rms_norm, norm.add_rms_norm_ref, native.add_rms_norm)
@@ -60,12 +63,16 @@ __all__ = [
     "dsa_sparse_attention",
     "dsa_topk_indices",
     "gelu_and_mul",
+    "gelu_and_mul_train",
     "mla_attention",
     "paged_attention",
     "rms_norm",
+    "rms_norm_train",
+    "rope_train",
     "rotary_embedding",
     "sample",
     "silu_and_mul",
+    "silu_and_mul_train",
     "store_kv",
     "store_latent",
 ]
