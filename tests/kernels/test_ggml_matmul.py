@@ -106,7 +106,7 @@ def test_matmul_matches_reference(qtype, act, m, k):
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 65])
 @pytest.mark.parametrize("m", [1, 9])
 def test_matmul_edge_columns(n, m):
-    """N around the prefill panel width (32 rows on AVX-512) and a lone row."""
+    """N around the 16-row chunks a thread takes at a time, and a lone row."""
     for qtype in QTYPES:
         packed, deq = _weights(qtype, n, 64)
         x = _x(m, 64, seed=3)
@@ -231,23 +231,29 @@ def test_kernel_info_and_amx_probe(monkeypatch):
 PORTABLE_CHECK = r"""
 import json, sys, torch
 from tokenfab.kernels.cpu import ggml_matmul as gm
-cases = json.loads(sys.argv[1])
-out = {"info": gm.ggml_kernel_info(), "results": []}
-for qtype, act, m, n, k, seed in cases:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randint(0, 256, (n, k // 32, gm.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
-    w[..., 0:2] = (torch.rand(n, k // 32, 1, generator=g) * 0.01).half().view(torch.uint8)
-    if qtype == "Q4_1":
-        w[..., 2:4] = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().view(torch.uint8)
-    x = torch.randn(m, k, generator=g)
-    w = w.reshape(n, -1)
-    out["results"].append(gm.ggml_matmul(x, w, qtype, k, act=act).tolist())
-out["rows"] = gm.ggml_dequantize_rows(w, qtype, k, torch.tensor([0, n - 1])).tolist()
-print(json.dumps(out))
+
+
+def run(cases):
+    out = {"info": gm.ggml_kernel_info(), "results": []}
+    for qtype, act, m, n, k, seed in cases:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randint(0, 256, (n, k // 32, gm.BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
+        w[..., 0:2] = (torch.rand(n, k // 32, 1, generator=g) * 0.01).half().view(torch.uint8)
+        if qtype == "Q4_1":
+            w[..., 2:4] = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().view(torch.uint8)
+        x = torch.randn(m, k, generator=g)
+        w = w.reshape(n, -1)
+        out["results"].append(gm.ggml_matmul(x, w, qtype, k, act=act).tolist())
+        out["results"].append(gm.ggml_dequantize_rows(w, qtype, k, torch.tensor([0, n - 1])).tolist())
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))
 """
 
 _CASES = [[qt, act, m, 45, 576, i] for i, (qt, act, m) in enumerate(
-    (qt, act, m) for qt in QTYPES for act in ACTS for m in (1, 3, 9))]
+    (qt, act, m) for qt in QTYPES for act in ACTS for m in (1, 3, 9))]  # M=3, 9: the AVX2 path's 2-row tiles
 
 
 def _run_build(tmp_path, cflags: str) -> dict:
@@ -264,9 +270,11 @@ def _run_build(tmp_path, cflags: str) -> dict:
 def test_portable_builds_equal_native(tmp_path):
     """The scalar C (plain x86-64) and the AVX2 path without VNNI (Haswell) give the native
     build's results within the float32 tolerance; the builds do report those paths."""
-    native = _run_build(tmp_path, "")
+    namespace = {"__name__": "portable_check"}
+    exec(PORTABLE_CHECK, namespace)
+    native = namespace["run"](_CASES)  # this process's -march=native build
     for cflags, isa in (("-march=x86-64", "scalar"), ("-march=haswell", "avx2")):
         other = _run_build(tmp_path, cflags)
         assert other["info"]["isa"] == isa and other["info"]["vnni"] is False, other["info"]
-        for a, b in zip(other["results"] + [other["rows"]], native["results"] + [native["rows"]], strict=True):
+        for a, b in zip(other["results"], native["results"], strict=True):
             assert_close(torch.tensor(a), torch.tensor(b))
