@@ -284,26 +284,29 @@ def bundled():
 
 
 def test_bundled_model_text_stops_and_eos(bundled):
-    eng = bundled(False)
-    chat = eng.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
-                                             add_generation_prompt=True)
+    eos = bundled(False).eos_token_ids[0]
     P = SamplingParams
     requests = [
-        ("eos", chat, P(temperature=0, max_tokens=60)),
-        ("stop-str", "The capital of France is", P(temperature=0, max_tokens=30, stop=[" the", "."])),
-        ("stop-str-incl", "The capital of France is", P(temperature=0, max_tokens=30, stop=["."],
+        # the model's own EOS id, made likely by logit_bias, held back 2 tokens by min_tokens
+        ("eos", "Hello", P(temperature=0, max_tokens=12, min_tokens=2, logit_bias={eos: 100.0})),
+        ("stop-str", "The capital of France is", P(temperature=0, max_tokens=12, stop=[" the", "."])),
+        ("stop-str-incl", "The capital of France is", P(temperature=0, max_tokens=12, stop=["."],
                                                         include_stop_str_in_output=True)),
-        ("min-stop", "The capital of France is", P(temperature=0, max_tokens=30, stop=["."], min_tokens=8)),
-        ("seeded", "Once upon a time", P(temperature=0.8, seed=5, max_tokens=20)),
+        # " Paris" "." ...: min_tokens=3 lets the early "." pass, a later stop string ends it
+        ("min-stop", "The capital of France is", P(temperature=0, max_tokens=12, stop=[".", "The"],
+                                                   min_tokens=3)),
+        ("seeded", "Once upon a time", P(temperature=0.8, seed=5, max_tokens=8)),
         ("max1", "Hello", P(temperature=0, max_tokens=1)),
         ("max2", "Hello", P(temperature=0, max_tokens=2)),
     ]
     sync, over = drive(bundled(False), requests), drive(bundled(True), requests)
     assert over == sync
-    assert sync["eos"][-1][3] == "stop" and isinstance(sync["eos"][-1][4], int)  # ended on an EOS token
+    assert sync["eos"][-1][3:] == ("stop", eos) and tokens_of(sync["eos"])[-1] == eos
+    assert len(tokens_of(sync["eos"])) == 3
     assert sync["stop-str"][-1][3] == "stop" and sync["stop-str"][-1][4] in (" the", ".")
     assert "".join(d[1] for d in sync["stop-str-incl"]).endswith(".")
-    assert len(tokens_of(sync["min-stop"])) >= 8
+    assert sync["min-stop"][-1][3] == "stop" and len(tokens_of(sync["min-stop"])) >= 3
+    assert "." in "".join(d[1] for d in sync["min-stop"])  # the early "." did not stop it
 
 
 def test_llm_generate_n_choices(tiny_llama_dir):
