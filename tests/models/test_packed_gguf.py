@@ -11,6 +11,7 @@ import torch
 
 from tests.models.test_bundled_vs_transformers import CHATS, NEW_TOKENS, PARAMS, TEXT_PROMPTS
 from tokenfab import LLM, SamplingParams
+from tokenfab.kernels.cpu.ggml_matmul import ggml_dequantize_rows, ggml_matmul_reference
 from tokenfab.layers import ggml_linear
 from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLLMHead, packed_bytes
@@ -18,12 +19,6 @@ from tokenfab.layers.linear import Linear
 from tokenfab.loader.bundled import bundled_model_path
 from tokenfab.loader.gguf import load_gguf
 from tokenfab.loader.model_loader import load_model
-
-try:
-    from tokenfab.kernels.cpu.ggml_matmul import ggml_dequantize_rows, ggml_matmul_reference
-except ImportError:  # before the kernel module lands: the layers' own stand-in
-    from tokenfab.layers._ggml_fallback import ggml_dequantize_rows
-    from tokenfab.layers._ggml_fallback import ggml_matmul as ggml_matmul_reference
 
 CPU = torch.device("cpu")
 

@@ -17,13 +17,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-try:  # the native kernels and their reference (H3's module)
-    from tokenfab.kernels.cpu.ggml_matmul import ggml_dequantize_rows, ggml_matmul
-except ImportError:  # pragma: no cover - before the kernel module lands
-    from tokenfab.layers._ggml_fallback import ggml_dequantize_rows, ggml_matmul
+from tokenfab.kernels.cpu import native_library
+from tokenfab.kernels.cpu.checks import check_status
+from tokenfab.kernels.cpu.ggml_matmul import _QTYPE_ID, ggml_dequantize_rows, ggml_matmul
 
 # activation modes: "f32" (W4A32/W8A32, the default) and "q8" (int8 activation blocks, opt-in)
 ACT_MODES = ("f32", "q8")
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_CHECKED_MATMUL = ggml_matmul  # tests may swap ggml_matmul for the reference: then it runs
+
+
+def _native_fn(act: str):
+    """The C entry point of an activation mode, or None (no native library)."""
+    lib = native_library()
+    if lib is None:
+        return None
+    return lib.ggml_matmul_f32 if act == "f32" else lib.ggml_matmul_q8
 
 
 class GGMLLinear(nn.Module):
@@ -39,6 +48,13 @@ class GGMLLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous(), persistent=False)
         self.qtype, self.in_features, self.out_features = qtype, in_features, int(qweight.shape[0])
         self.act = act
+        self._qid = _QTYPE_ID[qtype]
+        # the C entry point, chosen once at load (None without the native library:
+        # TOKENFAB_CPU_NATIVE=0 or no compiler -> the checked wrapper and its reference)
+        self._fn = _native_fn(act)
+        if self.in_features % 32 or qweight.shape[1] != self.in_features // 32 * _BLOCK_BYTES[qtype]:
+            raise ValueError(f"a {qtype} weight of K={in_features} has {self.in_features // 32 * _BLOCK_BYTES[qtype]} "
+                             f"bytes a row, got {qweight.shape[1]}")
         # a buffer, not a Parameter: the packed loader fills it (load_weights checks Parameters)
         self.register_buffer("bias", bias, persistent=False)
 
@@ -47,7 +63,16 @@ class GGMLLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        out = ggml_matmul(x2, self.qweight, self.qtype, self.in_features, act=self.act)
+        fn = self._fn if x2.dtype == torch.float32 and not x2.is_cuda else None
+        if fn is None or ggml_matmul is not _CHECKED_MATMUL or shape[-1] != self.in_features:
+            out = ggml_matmul(x2, self.qweight, self.qtype, self.in_features, act=self.act)
+        else:
+            # the C kernel straight away: the weight's shape and type were checked once, here
+            # (the checked wrapper costs ~10-20 us a call, ~2 ms a token over 121 products)
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            if x2.shape[0]:
+                check_status(fn(x2.data_ptr(), self.qweight.data_ptr(), x2.shape[0], self.out_features,
+                                self.in_features, self._qid, out.data_ptr()), "ggml_matmul")
         if self.bias is not None:
             out += self.bias
         return out.view(*shape[:-1], self.out_features)

@@ -108,7 +108,7 @@ def _plan_swaps(model: nn.Module, ckpt: GGUFCheckpoint, act: str) -> dict[str, _
 def _fill(model: nn.Module, swaps: dict[str, _Swap], ckpt: GGUFCheckpoint
           ) -> Iterator[tuple[str, torch.Tensor]]:
     """Copy the swapped layers' rows (and biases) in; yield every other tensor, dequantized."""
-    from tokenfab.layers._ggml_fallback import dequantize_packed
+    from tokenfab.kernels.cpu.ggml_matmul import dequantize as dequantize_packed
 
     remap = getattr(model, "remap_checkpoint_name", None)
     for name, t in ckpt.tensors(packed=True):

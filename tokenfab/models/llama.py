@@ -4,6 +4,9 @@
     Attn: q, k, v = x Wqkv (+b); q, k = RoPE(q, k) (after per-head RMSNorm in Qwen3);
           o = softmax(q k^T / sqrt(d)) v over the paged cache; out = o Wo
     MLP:  down(silu(gate(x)) * up(x))
+
+Submodules are called through ``.forward``: ``nn.Module.__call__`` (hook machinery the engine never
+uses) costs ~1 us a call, ~0.3-0.5 ms a token over the ~330 module calls of a decode step.
 """
 
 from __future__ import annotations
@@ -65,15 +68,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split(self.splits, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(batch.positions, q, k)
-        o = self.attn(q, k, v, batch)
-        return self.o_proj(o.reshape(t, -1))
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        q, k = self.rotary_emb.forward(batch.positions, q, k)
+        o = self.attn.forward(q, k, v, batch)
+        return self.o_proj.forward(o.reshape(t, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -84,7 +87,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -103,12 +106,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x.clone()
-            h = self.input_layernorm(x)
+            h = self.input_layernorm.forward(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, batch)
+        h, residual = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -119,10 +122,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(batch.input_ids), None
+        x, residual = self.embed_tokens.forward(batch.input_ids), None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch)
-        x, _ = self.norm(x, residual)
+            x, residual = layer.forward(x, residual, batch)
+        x, _ = self.norm.forward(x, residual)
         return x
 
 

@@ -521,7 +521,11 @@ static int run(const Args *a) {
     qsort(tasks, n_tasks, sizeof(Task), by_cost_desc);
     const int64_t rowbuf = TILE * (a->D > a->Dv ? a->D : a->Dv);
     int failed = 0;
-#pragma omp parallel
+    /* small work (a few decode rows over short contexts) runs on this thread: waking the team costs
+     * more than it saves, and on a busy machine a preempted thread holds the barrier for a time slice */
+    int64_t work = 0;
+    for (int64_t i = 0; i < n_tasks; i++) work += tasks[i].cost * (a->D + a->Dv);
+#pragma omp parallel if (work >= ((int64_t)1 << 20))
     {
         float *buf = NULL;
         int64_t cap = 0;
