@@ -14,6 +14,8 @@ from tokenfab.kernels import activation, attention, dsa, kv_cache, mla, norm, ro
 from tokenfab.kernels._dispatch import backend, choose, eager_op
 from tokenfab.kernels.activation_train import gelu_and_mul_train, silu_and_mul_train
 from tokenfab.kernels.cpu import elementwise as native
+from tokenfab.kernels.loss import fused_linear_cross_entropy
+from tokenfab.kernels.moe_train import grouped_gemm_train, moe_experts_train
 from tokenfab.kernels.norm_train import rms_norm_train
 from tokenfab.kernels.rope_train import rope_train
 
@@ -62,9 +64,12 @@ __all__ = [
     "argmax",
     "dsa_sparse_attention",
     "dsa_topk_indices",
+    "fused_linear_cross_entropy",
     "gelu_and_mul",
     "gelu_and_mul_train",
+    "grouped_gemm_train",
     "mla_attention",
+    "moe_experts_train",
     "paged_attention",
     "rms_norm",
     "rms_norm_train",
