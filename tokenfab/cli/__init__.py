@@ -19,6 +19,7 @@ BENCH_COMMANDS = {
     "kernels": ("tokenfab.bench.kernels", "kernel microbenchmarks"),
     "engine": ("tokenfab.bench.engine", "end-to-end engine speed on a random model of a real shape"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
+    "finetune": ("tokenfab.bench.finetune", "LoRA training tokens/s vs transformers + peft"),
 }
 
 
