@@ -121,7 +121,7 @@ run_section warmup 30 "${PYTEST[@]}" $WARMUP_TESTS ${XDIST[@]+"${XDIST[@]}"} --j
 # ------------------------------------------------------------------ engine correctness (first)
 if [ "$ON_GPU" = 1 ]; then
     run_section engine_correctness 110 "$PY" scripts/gpu_engine_check.py --device cuda \
-        --dtypes bfloat16 float32 --modes graphs eager \
+        --dtypes bfloat16 float32 --modes graphs eager async \
         --json "$WORK/engine_correctness.json" --markdown "$WORK/engine_correctness.md"
 else  # a dry run on CPU: the part that makes sense there
     run_section engine_correctness 300 "$PY" scripts/gpu_engine_check.py --device cpu --dtypes float32 \

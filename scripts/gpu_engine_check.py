@@ -9,6 +9,8 @@ generated greedily by
 * transformers on the same device and dtype, one prompt at a time (no padding): the reference;
 * tokenfab with CUDA graphs (CUDA only) and eager, all prompts in one batch (ragged lengths that
   cross block boundaries, so decode batches are padded to a captured graph size).
+* ``--modes async``: tokenfab with overlap scheduling (``async_scheduling=True``; over CUDA graphs
+  on CUDA, eager on CPU): the same tokens are expected.
 
 A sequence passes when its tokens equal the reference's, or when they first differ at a near
 tie: the reference's logit for our token is within a dtype tolerance of its own choice (bf16
@@ -120,12 +122,13 @@ def compare(ref: Reference, prompt: list[int], expected: list[int], ours: list[i
             "logit_gap": round(gap, 6), "tolerance": round(tol, 6), "our_token_rank": rank}
 
 
-def run_tokenfab(path: Path, prompts: list[list[int]], n: int, dtype: str, device: str, eager: bool) -> list[list[int]]:
+def run_tokenfab(path: Path, prompts: list[list[int]], n: int, dtype: str, device: str, eager: bool,
+                 async_scheduling: bool = False) -> list[list[int]]:
     from tokenfab.engine.llm import LLM
     from tokenfab.engine.sampling_params import SamplingParams
 
     llm = LLM(str(path), dtype=dtype, device=device, enforce_eager=eager, num_kv_blocks=256, max_num_seqs=16,
-              max_model_len=512, cpu_weight_packing=False)
+              max_model_len=512, cpu_weight_packing=False, async_scheduling=async_scheduling)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -179,7 +182,10 @@ def check_model(report: dict[str, Any], name: str, path: Path, prompts: list[lis
         row: dict[str, Any] = {"model": name, "dtype": dtype, "mode": mode, "reference_seconds": ref_s}
         t0 = time.perf_counter()
         try:
-            ours = run_tokenfab(path, prompts, args.new_tokens, dtype, str(device), eager=mode == "eager")
+            # "async": overlap scheduling, over CUDA graphs on CUDA (eager on CPU)
+            ours = run_tokenfab(path, prompts, args.new_tokens, dtype, str(device),
+                                eager=mode == "eager" or (mode == "async" and device.type != "cuda"),
+                                async_scheduling=mode == "async")
             ours_by_mode[mode] = ours
             seqs = [compare(ref, pr, e, o, dtype) for pr, e, o in zip(prompts, expected, ours)]
             counts = {k: sum(s["result"] == k for s in seqs) for k in ("exact", "near_tie", "mismatch")}
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtypes", nargs="+", default=None, choices=sorted(DTYPES),
                    help="default: bfloat16 float32 on CUDA, float32 on CPU")
-    p.add_argument("--modes", nargs="+", default=None, choices=["graphs", "eager"],
+    p.add_argument("--modes", nargs="+", default=None, choices=["graphs", "eager", "async"],
                    help="default: graphs eager on CUDA, eager on CPU (no CUDA graphs there)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--new-tokens", type=int, default=24)

@@ -343,3 +343,20 @@ def test_sample_tokens_stays_on_device_and_matches_sample_next(tiny):
     toks = sample_tokens(logits, seqs, [2])
     assert isinstance(toks, torch.Tensor) and toks.dtype == torch.int64
     assert toks.tolist() == sample_next(logits, seqs, [2]).token_ids
+
+
+def test_bench_engine_compares_async_scheduling_on_and_off(tmp_path):
+    import json
+
+    from tokenfab.cli import main
+
+    out = tmp_path / "e.json"
+    rc = main(["bench", "engine", "--shape", "tiny", "--device", "cpu", "--num-requests", "3", "--input-len", "6",
+               "--output-len", "3", "--decode-tokens", "4", "--hf-batch-sizes", "all", "--warmup-requests", "1",
+               "--same-process", "--async-scheduling", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    assert [r["engine"] for r in res] == ["tokenfab eager", "tokenfab eager + async scheduling",
+                                          "transformers (batch 3)"]
+    assert [r["settings"].get("async_scheduling") for r in res[:2]] == [False, True]
+    assert all(r["output_tokens"] == 9 for r in res)

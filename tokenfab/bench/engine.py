@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="also run tokenfab with overlap scheduling (extra rows: on vs off, same workload)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
 
@@ -81,13 +83,14 @@ def build_model_dir(shape: str, dtype, out: Path) -> Path:
 WARMUP_TOKENS = 8
 
 
-def _tokenfab(path: Path, args, work: dict, eager: bool) -> dict:
+def _tokenfab(path: Path, args, work: dict, eager: bool, async_scheduling: bool = False) -> dict:
     from tokenfab.engine.llm import LLM
     from tokenfab.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(path), dtype=args.dtype, device=args.device, enforce_eager=eager,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1))
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max(args.num_requests, 1),
+              async_scheduling=async_scheduling)
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     llm.generate(work["warm"], warm)  # fresh prompts: nothing measured is in the prefix cache
@@ -104,10 +107,12 @@ def _tokenfab(path: Path, args, work: dict, eager: bool) -> dict:
     _sync()
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"engine": "tokenfab" + (" eager" if eager else " + CUDA graphs"), "load_s": load_s,
+    name = "tokenfab" + (" eager" if eager else " + CUDA graphs") + (" + async scheduling" if async_scheduling else "")
+    res = {"engine": name, "load_s": load_s,
            "batch1_decode_tok_s": b1, "output_tok_s": n / dt, "seconds": dt, "output_tokens": n,
            "device": str(llm.engine.device), "dtype": str(llm.engine.dtype), "pid": os.getpid(),
            "settings": {"max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": eager,
+                        "async_scheduling": async_scheduling,
                         "warmup": f"{len(work['warm'])} fresh prompts x {WARMUP_TOKENS} tokens"}}
     del llm, outs
     gc.collect()
@@ -209,10 +214,13 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             keep(call(_tokenfab, path, args, work, False))
         keep(call(_tokenfab, path, args, work, True))
+        if getattr(args, "async_scheduling", False):  # the same engine with overlap scheduling
+            keep(call(_tokenfab, path, args, work, device.type != "cuda", True))
+        num_ours = len(results)
         for i, bs in enumerate(sizes):
             keep(call(_transformers, path, args, work, str(device), str(dtype), bs, i == 0))
     ours = results[0]
-    peers = results[1 + (device.type == "cuda"):]
+    peers = results[num_ours:]
     ratios = {}
     if peers:
         best = max(peers, key=lambda r: r["output_tok_s"])
