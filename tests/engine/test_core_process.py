@@ -230,6 +230,7 @@ def test_core_rejects_a_request_it_cannot_take(core):
     client._send(ipc.encode("add", "x1", [1, 2], {"temperature": 1.0, "nope": 1}, 0, None, None, 0.0))
     client.processor.add("x1", [1, 2], SamplingParams())
     client._inflight.add("x1")
+    client._adds_sent += 1
     outs = []
     while client.has_unfinished_requests():
         outs += client.step()

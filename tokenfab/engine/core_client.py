@@ -88,8 +88,9 @@ class EngineCoreClient:
         self.processor = OutputProcessor(tokenizer, self.eos_token_ids)
         self._inflight: set[str] = set()
         self._stats: dict[str, Any] | None = info.get("stats")
-        self._adds_sent = 0
-        self._adds_acked = 0
+        # messages sent / seen by the core (as of its last stats): while some are on the wire the
+        # client counts as busy, so the stats it reports are never older than its own requests
+        self._adds_sent = self._adds_acked = self._aborts_sent = self._aborts_acked = 0
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -211,10 +212,14 @@ class EngineCoreClient:
         if request_id in self._inflight:
             self._inflight.discard(request_id)
             self.processor.remove(request_id)
-            self._send(ipc.encode("abort", [request_id]))
+            self._send_abort([request_id])
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        self._send(ipc.encode("abort", request_ids))
+        self._aborts_sent += 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._inflight)
+        return bool(self._inflight) or self._adds_sent > self._adds_acked or self._aborts_sent > self._aborts_acked
 
     def step(self, timeout_ms: int = 1000) -> list[RequestOutput]:
         """The outputs that arrived; waits up to ``timeout_ms`` for some (or a ``wakeup``)."""
@@ -255,9 +260,10 @@ class EngineCoreClient:
                         self._inflight.discard(out.request_id)
             if stats is not None:
                 self._adds_acked = int(stats.pop("adds_received", self._adds_acked))
+                self._aborts_acked = int(stats.pop("aborts_received", self._aborts_acked))
                 self._stats = stats
         if stopped:  # a stop string ended them here: the core stops too
-            self._send(ipc.encode("abort", stopped))
+            self._send_abort(stopped)
         return outputs
 
     def get_stats(self) -> EngineStats | None:

@@ -58,7 +58,8 @@ class EngineCore:
         self.parent_pid = parent_pid
         self._parent_fd = pid_fd(parent_pid) if parent_pid else None
         self._clients: dict[bytes, int] = {}  # identity -> index (engine ids are "<index>:<request id>")
-        self._adds_seen: dict[bytes, int] = {}  # identity -> adds received (the front end counts in-flight ones)
+        # identity -> [adds, aborts] received: the front end knows what is still on the wire
+        self._seen: dict[bytes, list[int]] = {}
         self._route: dict[str, tuple[bytes, str]] = {}  # engine id -> (identity, request id)
         self._sent_prompt_lp: set[str] = set()
         self._structured: Any = None
@@ -125,12 +126,14 @@ class EngineCore:
     def _handle(self, ident: bytes, tag: str, fields: list[Any]) -> None:
         if tag == "hello":
             self._clients.setdefault(ident, len(self._clients))
-            self._adds_seen.setdefault(ident, 0)
+            self._seen.setdefault(ident, [0, 0])
             self._send(ident, ipc.encode("ready", self.info()))
         elif tag == "add":
             self._add(ident, *fields)
         elif tag == "abort":
             idx = self._clients.get(ident)
+            self._seen.setdefault(ident, [0, 0])[1] += 1
+            self._dirty.add(ident)
             for rid in fields[0]:
                 eid = f"{idx}:{rid}"
                 if self._route.pop(eid, None) is not None:
@@ -144,7 +147,7 @@ class EngineCore:
     def _add(self, ident: bytes, rid: str, ids: list[int], params_d: dict, priority: int,
              cache_salt: str | None, spec: str | None, _arrival: float) -> None:
         idx = self._clients.setdefault(ident, len(self._clients))
-        self._adds_seen[ident] = self._adds_seen.get(ident, 0) + 1
+        self._seen.setdefault(ident, [0, 0])[0] += 1
         self._dirty.add(ident)
         eid = f"{idx}:{rid}"
         try:
@@ -214,10 +217,12 @@ class EngineCore:
         return [rid, new, lps, co.finish_reason, stop, out.error, int(out.num_cached_tokens or 0), plp]
 
     def _with_acks(self, stats: dict | None, ident: bytes) -> dict:
-        return {**(stats or {}), "adds_received": self._adds_seen.get(ident, 0)}
+        adds, aborts = self._seen.get(ident, (0, 0))
+        return {**(stats or {}), "adds_received": adds, "aborts_received": aborts}
 
     def _flush_stats(self) -> None:
-        """Front ends whose adds were taken but got no output this round still learn the count."""
+        """Front ends whose adds or aborts were taken but got no output this round still learn the
+        counts (and the stats after them)."""
         if not self._dirty:
             return
         stats = self._stats()
