@@ -152,3 +152,41 @@ def test_grouped_bad_counts():
         M.grouped_gemm_train(torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="counts must be"):
         M.grouped_gemm_train(torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([2.0, 3.0]))
+
+
+def test_hf_qwen3_moe_model_patched(path, gen, monkeypatch):
+    """A tiny Qwen3-MoE causal LM with its experts' forward replaced by ``hf_experts_forward``: the
+    same loss and the same gradient for every parameter as the unpatched model."""
+    import types
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "gate.weight" in name:
+                p.normal_(0, 0.2, generator=gen)
+    ids = torch.randint(0, 97, (2, 13), generator=gen)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_ref, grads_ref = loss_and_grads()
+    for layer in model.model.layers:
+        layer.mlp.experts.forward = types.MethodType(M.hf_experts_forward, layer.mlp.experts)
+    calls = []
+    real = M.moe_experts_train
+    monkeypatch.setattr(M, "moe_experts_train", lambda *a: calls.append(a[-1]) or real(*a))
+    loss, grads = loss_and_grads()
+    assert calls == ["silu", "silu"]  # both layers ran our experts
+    assert_train_close(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        assert_train_close(grads[name], grads_ref[name])

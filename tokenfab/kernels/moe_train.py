@@ -309,3 +309,18 @@ def moe_experts_train_ref(
         y = y * topk_weights.reshape(-1)[pairs, None].to(y.dtype)
         out = out.index_add(0, pairs // k, y.float())
     return out.to(hidden.dtype)
+
+
+_HF_ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu", "PytorchGELUTanh": "gelu",
+                   "NewGELUActivation": "gelu"}
+
+
+def hf_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A drop-in forward for Hugging Face's 3-D expert modules (``Qwen3MoeExperts``: ``gate_up_proj
+    [E, 2I, H]``, ``down_proj [E, H, I]``, ``act_fn``), replacing their per-expert loop:
+    ``experts.forward = types.MethodType(hf_experts_forward, experts)``."""
+    act = _HF_ACTIVATIONS.get(type(self.act_fn).__name__)
+    if act is None:
+        raise ValueError(f"moe_experts_train has no gated activation for {type(self.act_fn).__name__}")
+    return moe_experts_train(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
