@@ -149,9 +149,8 @@ def _save_outputs(args, trainer, tokenizer, out: Path, rank: int, world: int) ->
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         return
-    from tokenfab.train.lora import merge_lora, save_adapter, save_merged
+    from tokenfab.train.peft_io import save_adapter, save_merged
 
     save_adapter(model, out, base_name)
     if args.merge:
-        merge_lora(model)
-        save_merged(model, tokenizer, out / "merged")
+        save_merged(model, tokenizer, out / "merged")  # merges the adapter into the weights in place
