@@ -360,3 +360,42 @@ def test_bench_engine_compares_async_scheduling_on_and_off(tmp_path):
                                           "transformers (batch 3)"]
     assert [r["settings"].get("async_scheduling") for r in res[:2]] == [False, True]
     assert all(r["output_tokens"] == 9 for r in res)
+
+
+def test_async_engine_streams_match_with_overlap(tiny):
+    """The server's front (AsyncEngine, engine thread) over an overlapped engine: 8 concurrent
+    streamed requests, one dropped by its consumer after 2 chunks, give the synchronous tokens."""
+    import asyncio
+
+    from tokenfab.engine.async_engine import AsyncEngine
+
+    prompts = make_prompts(8, seed=12)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=6 + i, ignore_eos=True)
+              for i in range(8)]
+
+    def serve(engine):
+        front = AsyncEngine(engine)
+
+        async def one(i):
+            chunks = []
+            async for c in front.generate(prompts[i], params[i], request_id=f"r{i}"):
+                chunks.append(c)
+                if i == 3 and len(chunks) == 2:
+                    break  # the consumer goes away: the request is aborted
+            return [t for c in chunks for t in c.delta_token_ids], chunks[-1].finish_reason
+
+        async def main():
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        try:
+            return asyncio.run(asyncio.wait_for(main(), 120))
+        finally:
+            front.shutdown()
+
+    engines = [tiny(False), tiny(True)]
+    sync, over = serve(engines[0]), serve(engines[1])
+    assert over == sync
+    for eng in engines:
+        assert not eng.has_unfinished_requests()
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert len(sync[3][0]) == 2 and all(len(t) == 6 + i for i, (t, _) in enumerate(sync) if i != 3)
