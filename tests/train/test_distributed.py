@@ -64,8 +64,7 @@ def _spawn(tmp_path: Path, name: str, mode: str, resume: bool = False) -> dict:
     return json.loads(((out / "resumed") if resume else out).joinpath("losses.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_two_gloo_processes_match_one(tmp_path, mode):
+def _two_vs_one(tmp_path: Path, mode: str) -> dict:
     data, evals = _data()
     single = Trainer(tiny_model(), None, data, evals, _config(tmp_path / "one", mode)).train()
     two = _spawn(tmp_path, "two", mode)
@@ -73,9 +72,23 @@ def test_two_gloo_processes_match_one(tmp_path, mode):
     assert two["losses"] == pytest.approx(single.losses, rel=LOSS_RTOL)
     assert [s for s, _ in two["eval"]] == [s for s, _ in single.eval_losses]
     assert [v for _, v in two["eval"]] == pytest.approx([v for _, v in single.eval_losses], rel=LOSS_RTOL)
-    if mode == "full":  # sharded checkpoint: one DCP folder, every rank's RNG state
-        ck = tmp_path / "two" / "checkpoint-2"
-        assert (ck / "dcp" / ".metadata").exists()
-        assert (ck / "rng-rank0.pt").exists() and (ck / "rng-rank1.pt").exists()
-        resumed = _spawn(tmp_path, "two", mode, resume=True)
-        assert resumed["losses"] == two["losses"]
+    ck = tmp_path / "two" / "checkpoint-2"  # sharded checkpoint: one DCP folder, every rank's RNG state
+    assert (ck / "dcp" / ".metadata").exists()
+    assert (ck / "rng-rank0.pt").exists() and (ck / "rng-rank1.pt").exists()
+    return two
+
+
+def test_two_gloo_processes_match_one_full(tmp_path):
+    _two_vs_one(tmp_path, "full")
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_lora(tmp_path):
+    _two_vs_one(tmp_path, "lora")
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_exactly(tmp_path):
+    two = _two_vs_one(tmp_path, "full")
+    resumed = _spawn(tmp_path, "two", "full", resume=True)
+    assert resumed["losses"] == two["losses"]
