@@ -175,3 +175,20 @@ def test_second_backward_is_a_clear_error(gen):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per call"):
         loss.backward()
+
+
+def test_strided_hidden(path, gen):
+    """A column slice of a wider tensor (row stride 40) and a transposed weight view."""
+    big = torch.randn(11, 40, generator=gen).requires_grad_()
+    wt = (0.3 * torch.randn(24, 300, generator=gen)).requires_grad_()
+    labels = torch.randint(0, 300, (11,), generator=gen)
+    loss = L.fused_linear_cross_entropy(big[:, 3:27], wt.t(), labels, chunk_size=4)
+    loss.backward()
+    loss = loss.detach()
+    grads = [big.grad.clone(), wt.grad.clone()]
+    big.grad = wt.grad = None
+    loss_ref = L.fused_linear_cross_entropy_ref(big[:, 3:27], wt.t(), labels)
+    loss_ref.backward()
+    assert_train_close(loss, loss_ref.detach())
+    assert_train_close(grads[0], big.grad)
+    assert_train_close(grads[1], wt.grad)

@@ -205,7 +205,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     triton_path = use_triton(hidden)
     ce = _ce_chunk_triton if triton_path else ce_chunk_ref
     labels = labels.contiguous()
-    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_h = hidden.new_empty(hidden.shape) if need_h else None  # contiguous whatever hidden's strides
     # grad_W accumulates over chunks in fp32 (one [V, H] buffer; for fp32 weights the gradient itself)
     grad_w = torch.zeros(v, h, dtype=torch.float32, device=dev) if need_w else None
     grad_b = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
