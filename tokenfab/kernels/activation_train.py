@@ -12,14 +12,13 @@ backward recomputes the activation from the saved inputs (nothing else is stored
 in fp32.
 
 Paths: ``_act_*_triton`` (CUDA, or ``TOKENFAB_KERNELS=triton``: the interpreter on CPU) and
-``_act_*_torch`` (the same formulas in torch: CPU default, ``TOKENFAB_KERNELS=torch``), chosen in the
+``_act_*_torch`` (torch's fused activation and activation-backward ops, the same values as autograd
+on the reference but only gate/up saved: CPU default, ``TOKENFAB_KERNELS=torch``), chosen in the
 custom ops ``tokenfab::act_and_mul_train_fwd`` / ``_bwd`` that the ``autograd.Function`` calls.
 ``silu_and_mul_train_ref`` / ``gelu_and_mul_train_ref`` are the autograd oracles.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -118,28 +117,26 @@ def _act_bwd_triton(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return dg, du
 
 
-def _act_grad_torch(g: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
-        sig = torch.sigmoid(g)
-        return g * sig, sig * (1 + g * (1 - sig))
-    if act == "gelu":
-        cdf = 0.5 * (1 + torch.erf(g * (1 / math.sqrt(2))))
-        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
-    c = math.sqrt(2 / math.pi)
-    th = torch.tanh(c * (g + 0.044715 * g.pow(3)))
-    return 0.5 * g * (1 + th), 0.5 * (1 + th) + 0.5 * g * (1 - th * th) * c * (1 + 3 * 0.044715 * g * g)
+        return F.silu(g)
+    return F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 def _act_fwd_torch(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    a, _ = _act_grad_torch(gate.float(), act)
-    return (a.to(gate.dtype).float() * up.float()).to(gate.dtype)
+    """The HF module's operations (torch computes the activation in fp32 and rounds, as the kernel)."""
+    return _act_torch(gate, act) * up
 
 
 def _act_bwd_torch(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                    act: str) -> tuple[torch.Tensor, torch.Tensor]:
-    a, da = _act_grad_torch(gate.float(), act)
-    d = dout.float()
-    return (d * up.float() * da).to(gate.dtype), (d * a.to(gate.dtype).float()).to(up.dtype)
+    """The derivative by torch's fused activation-backward ops (what autograd on the reference runs)."""
+    d_act = dout * up
+    if act == "silu":
+        dg = torch.ops.aten.silu_backward(d_act, gate)
+    else:
+        dg = torch.ops.aten.gelu_backward(d_act, gate, approximate="tanh" if act == "gelu_tanh" else "none")
+    return dg, dout * _act_torch(gate, act)
 
 
 @torch.library.custom_op("tokenfab::act_and_mul_train_fwd", mutates_args=())

@@ -14,7 +14,7 @@ rounds once to the input dtype (HF rounds each product in bf16: within a roundin
 flows to cos/sin (HF's cos/sin come from a buffer with no gradient).
 
 Paths: ``_rope_train_triton`` (CUDA, or ``TOKENFAB_KERNELS=triton``: the interpreter on CPU) and
-``_rope_train_torch`` (the same formula in torch: CPU default, ``TOKENFAB_KERNELS=torch``), chosen in
+``_rope_train_torch`` (HF's operations in the input dtype: CPU default, ``TOKENFAB_KERNELS=torch``), chosen in
 the custom op ``tokenfab::rope_train`` that the ``autograd.Function`` calls forward and backward.
 ``rope_train_ref`` is the autograd oracle (HF's operations).
 """
@@ -117,14 +117,14 @@ def _rope_train_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ba
 
 
 def _rope_train_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """HF's operations in the input dtype (the forward equals the reference); the backward applies
+    the transpose of rotate_half, [v1, v2] -> [v2, -v1], to ``x * sin``."""
+    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+    if not backward:
+        return x * c + _rotate_half(x) * s
+    xs = x * s
     half = x.shape[-1] // 2
-    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    if backward:
-        out = torch.cat((x1 * c[..., :half] + x2 * s[..., half:], x2 * c[..., half:] - x1 * s[..., :half]), -1)
-    else:
-        out = torch.cat((x1 * c[..., :half] - x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]), -1)
-    return out.to(x.dtype)
+    return x * c + torch.cat((xs[..., half:], -xs[..., :half]), dim=-1)
 
 
 @torch.library.custom_op("tokenfab::rope_train", mutates_args=())
