@@ -190,3 +190,14 @@ def test_hf_qwen3_moe_model_patched(path, gen, monkeypatch):
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
         assert_train_close(grads[name], grads_ref[name])
+
+
+def test_no_tokens(path, device):
+    hid = torch.zeros(0, 8, device=device, requires_grad=True)
+    wgu = torch.randn(3, 10, 8, device=device, requires_grad=True)
+    wd = torch.randn(3, 8, 5, device=device, requires_grad=True)
+    out = M.moe_experts_train(hid, torch.zeros(0, 2, dtype=torch.long, device=device),
+                              torch.zeros(0, 2, device=device), wgu, wd)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert wgu.grad is None or torch.count_nonzero(wgu.grad) == 0
