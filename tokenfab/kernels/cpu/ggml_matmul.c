@@ -119,18 +119,15 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
         w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
         return;
     }
+    /* the 16 values a nibble can stand for, then a lookup per element (vpermps reads the low
+     * 4 bits of each index: the low nibble needs no mask). Same roundings as d * (q - 8) and
+     * fma(d, q, m): the table holds exactly those values. */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = qt == GQ4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)))
+                                     : _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_to_float(b + 2)));
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qt == GQ4_1 ? 4 : 2))));
-    __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
-    if (qt == GQ4_0) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-        w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-        w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
-    } else {
-        const vf m = _mm512_set1_ps(half_to_float(b + 2));
-        w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m);
-        w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m);
-    }
+    w[0] = _mm512_permutexvar_ps(v, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 #elif GG_AVX2
 #define VW 8
@@ -194,10 +191,22 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
 /* res[m * N] = dot(x row m, dequant(weight row)) for the mt rows of one tile */
 AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, float *res, int64_t N) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
-    vf acc[4][NV];
-    for (int m = 0; m < mt; m++)
+    /* with few accumulators the FMA latency, not the throughput, would bound the loop: then
+     * two blocks a step, into two sets of accumulators */
+    const int U = mt * NV <= 4 ? 2 : 1;
+    vf acc[8][NV];
+    for (int m = 0; m < U * mt; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = v_zero();
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+    for (; b + U <= nb; b += U)
+        for (int u = 0; u < U; u++) {
+            vf w[NV];
+            deq_block(qt, wr + (b + u) * bb, w);
+            for (int m = 0; m < mt; m++)
+                for (int v = 0; v < NV; v++)
+                    acc[u * mt + m][v] = v_fma(w[v], v_load(x + m * K + (b + u) * 32 + v * VW), acc[u * mt + m][v]);
+        }
+    for (; b < nb; b++) {
         vf w[NV];
         deq_block(qt, wr + b * bb, w);
         for (int m = 0; m < mt; m++)
@@ -206,6 +215,8 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
     for (int m = 0; m < mt; m++) {
         vf s = acc[m][0];
         for (int v = 1; v < NV; v++) s = v_add(s, acc[m][v]);
+        if (U == 2)
+            for (int v = 0; v < NV; v++) s = v_add(s, acc[mt + m][v]);
         res[m * N] = v_sum(s);
     }
 }
