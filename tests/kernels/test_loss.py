@@ -177,11 +177,11 @@ def test_second_backward_is_a_clear_error(gen):
         loss.backward()
 
 
-def test_strided_hidden(path, gen):
+def test_strided_hidden(path, device, gen):
     """A column slice of a wider tensor (row stride 40) and a transposed weight view."""
-    big = torch.randn(11, 40, generator=gen).requires_grad_()
-    wt = (0.3 * torch.randn(24, 300, generator=gen)).requires_grad_()
-    labels = torch.randint(0, 300, (11,), generator=gen)
+    big = torch.randn(11, 40, generator=gen).to(device).requires_grad_()
+    wt = (0.3 * torch.randn(24, 300, generator=gen)).to(device).requires_grad_()
+    labels = torch.randint(0, 300, (11,), generator=gen).to(device)
     loss = L.fused_linear_cross_entropy(big[:, 3:27], wt.t(), labels, chunk_size=4)
     loss.backward()
     loss = loss.detach()

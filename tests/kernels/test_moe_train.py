@@ -70,7 +70,7 @@ def test_grouped_kernels_direct(device, gen):
         assert_train_close(y[s:s + cnt], x[s:s + cnt] @ w[ex].T)
         assert_train_close(dx[s:s + cnt], dy[s:s + cnt] @ w[ex])
         assert_train_close(dw[ex], dy[s:s + cnt].T @ x[s:s + cnt])
-    assert M._grouped_mm_triton(x[:0], w, torch.zeros(3, dtype=torch.long), True).shape == (0, 12)
+    assert M._grouped_mm_triton(x[:0], w, torch.zeros(3, dtype=torch.long, device=device), True).shape == (0, 12)
 
 
 EXPERTS = [
@@ -154,7 +154,7 @@ def test_grouped_bad_counts():
         M.grouped_gemm_train(torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([2.0, 3.0]))
 
 
-def test_hf_qwen3_moe_model_patched(path, gen, monkeypatch):
+def test_hf_qwen3_moe_model_patched(path, device, gen, monkeypatch):
     """A tiny Qwen3-MoE causal LM with its experts' forward replaced by ``hf_experts_forward``: the
     same loss and the same gradient for every parameter as the unpatched model."""
     import types
@@ -165,12 +165,12 @@ def test_hf_qwen3_moe_model_patched(path, gen, monkeypatch):
     cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
-    model = Qwen3MoeForCausalLM(cfg).float()
+    model = Qwen3MoeForCausalLM(cfg).float().to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "experts" in name or "gate.weight" in name:
-                p.normal_(0, 0.2, generator=gen)
-    ids = torch.randint(0, 97, (2, 13), generator=gen)
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    ids = torch.randint(0, 97, (2, 13), generator=gen).to(device)
 
     def loss_and_grads():
         model.zero_grad()
