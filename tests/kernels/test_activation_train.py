@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import check_against, forward_backward
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward
 from tokenfab.kernels.activation_train import (
     gelu_and_mul_train,
     gelu_and_mul_train_ref,
@@ -68,7 +68,7 @@ def test_bad_input(kernel_path):
         silu_and_mul_train(torch.ones(2, 4), torch.ones(2, 5))
     with pytest.raises(ValueError, match="approximate"):
         gelu_and_mul_train(torch.ones(2, 4), torch.ones(2, 4), "sigmoid")
-    empty = torch.empty(0, 8, requires_grad=True)
+    empty = torch.empty(0, 8, device=DEVICE, requires_grad=True)
     assert silu_and_mul_train(empty, empty).shape == (0, 8)
 
 

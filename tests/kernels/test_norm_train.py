@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import check_against, forward_backward
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward
 from tokenfab.kernels import norm_train
 from tokenfab.kernels.norm_train import rms_norm_train, rms_norm_train_ref
 
@@ -64,7 +64,7 @@ def _hf_norm(kind: str, hidden: int, weight: torch.Tensor, eps: float):
     mod = cls(hidden, eps=eps)
     with torch.no_grad():
         mod.weight.copy_(weight)
-    return mod.to(weight.dtype)
+    return mod.to(DEVICE, weight.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,9 +77,9 @@ def test_matches_hf_module(kind, dtype, kernel_path, gen):
     dy = _rand(shape, dtype, gen)
     offset = 1.0 if kind == "gemma" else 0.0
     mod = _hf_norm(kind, 576, w, 1e-6)
-    xl = x.clone().requires_grad_()
+    xl = x.to(DEVICE).requires_grad_()
     y_hf = mod(xl)
-    y_hf.backward(dy)
+    y_hf.backward(dy.to(DEVICE))
     ref_out, ref_grads = forward_backward(lambda x, w: rms_norm_train_ref(x, w, 1e-6, None, offset), [x, w], [dy])
     assert torch.equal(ref_out[0], y_hf.detach())
     assert torch.equal(ref_grads[0], xl.grad) and torch.equal(ref_grads[1], mod.weight.grad)
@@ -91,8 +91,8 @@ def test_matches_hf_module(kind, dtype, kernel_path, gen):
 
 def test_fused_residual_matches_hf_decoder_add(kernel_path, gen):
     """(y, s) = norm(x + residual), s = x + residual: the decoder layer's add + post-attention norm."""
-    x, res = _rand((3, 96), torch.float32, gen), _rand((3, 96), torch.float32, gen)
-    w = _rand(96, torch.float32, gen)
+    x, res = _rand((3, 96), torch.float32, gen).to(DEVICE), _rand((3, 96), torch.float32, gen).to(DEVICE)
+    w = _rand(96, torch.float32, gen).to(DEVICE)
     mod = _hf_norm("llama", 96, w, 1e-5)
     y, s = rms_norm_train(x, w, 1e-5, res)
     assert torch.equal(s, x + res)
@@ -100,11 +100,11 @@ def test_fused_residual_matches_hf_decoder_add(kernel_path, gen):
 
 
 def test_empty_and_bad_input(kernel_path):
-    x = torch.empty(0, 64, requires_grad=True)
-    w = torch.ones(64, requires_grad=True)
+    x = torch.empty(0, 64, device=DEVICE, requires_grad=True)
+    w = torch.ones(64, device=DEVICE, requires_grad=True)
     y = rms_norm_train(x, w, 1e-6)
     y.sum().backward()
-    assert y.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64))
+    assert y.shape == (0, 64) and torch.equal(w.grad.cpu(), torch.zeros(64))
     with pytest.raises(ValueError, match="weight"):
         rms_norm_train(torch.ones(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="residual"):

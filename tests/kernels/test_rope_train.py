@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import check_against, forward_backward
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward
 from tokenfab.kernels.rope_train import rope_train, rope_train_ref
 
 kernel_path = train_helpers.kernel_path  # the fixture: tests taking it run on both paths
@@ -26,7 +26,8 @@ def _hf_cos_sin(bsz: int, seq: int, dim: int, dtype: torch.dtype, offset: int = 
     cfg = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, rope_theta=10000.0, max_position_embeddings=512)
     rot = LlamaRotaryEmbedding(cfg)
     pos = torch.arange(seq)[None, :] + offset + 11 * torch.arange(bsz)[:, None]
-    return rot(torch.zeros(1, dtype=dtype), pos)
+    cos, sin = rot(torch.zeros(1, dtype=dtype), pos)
+    return cos.to(DEVICE), sin.to(DEVICE)
 
 
 def _qk(b, hq, hk, t, d, dtype, gen):
@@ -49,7 +50,7 @@ def test_rope_train(shape, dtype, kernel_path, gen):
 def test_arbitrary_cos_sin_halves_and_broadcast_batch(kernel_path, gen):
     """cos/sin halves that differ (not HF's cat(f, f)) and a batch-1 cos/sin for a batch of 3."""
     q, k = _qk(3, 4, 2, 5, 32, torch.float32, gen)
-    cos, sin = torch.randn(1, 5, 32, generator=gen), torch.randn(1, 5, 32, generator=gen)
+    cos, sin = torch.randn(1, 5, 32, generator=gen).to(DEVICE), torch.randn(1, 5, 32, generator=gen).to(DEVICE)
     up = [torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)]
     check_against(lambda q, k: rope_train(q, k, cos, sin), lambda q, k: rope_train_ref(q, k, cos, sin), [q, k], up)
 
@@ -86,7 +87,7 @@ def test_torch_compile_module(monkeypatch, gen):
     """A module using the op traces under torch.compile (fullgraph) with the eager values and grads."""
     monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
     lin = torch.nn.Linear(32, 3 * 32)
-    cos, sin = _hf_cos_sin(2, 5, 16, torch.float32)
+    cos, sin = (t.cpu() for t in _hf_cos_sin(2, 5, 16, torch.float32))
 
     def attn_inputs(x):
         q, k, _ = lin(x).view(2, 5, 6, 16).transpose(1, 2).split(2, dim=1)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
+from tests.kernels.train_helpers import DEVICE
 
 kernel_path = train_helpers.kernel_path  # the fixture: every test taking it runs on both paths
 
@@ -30,7 +31,7 @@ def _tiny(model_type: str, hidden_act: str):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
-    return model
+    return model.to(DEVICE)
 
 
 @pytest.mark.parametrize(("model_type", "hidden_act"), [("llama", "silu"), ("llama", "gelu_pytorch_tanh"),
@@ -49,6 +50,7 @@ def test_patched_model_matches_hf(model_type, hidden_act, kernel_path):
     pos = torch.arange(11).expand(2, 11)
     labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), 1)
     labels[0, :3] = -100  # a prompt without loss
+    ids, pos, labels = ids.to(DEVICE), pos.to(DEVICE), labels.to(DEVICE)
 
     plain.zero_grad()
     logits = plain(input_ids=ids, position_ids=pos, use_cache=False).logits

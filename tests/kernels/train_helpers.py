@@ -1,4 +1,6 @@
-"""Shared by the training-kernel tests: run a function forward and backward, compare with an oracle."""
+"""Shared by the training-kernel tests: run a function forward and backward, compare with an oracle.
+
+Inputs go to ``DEVICE`` (CUDA when present: the compiled kernels; else CPU: the interpreter)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
+from tests.kernels.conftest import HAS_CUDA
 from tests.kernels.tolerances import assert_train_close_scaled
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 PATHS = ["triton", "torch"]  # TOKENFAB_KERNELS: the Triton kernels (interpreter on CPU) / the torch twins
 
@@ -21,7 +26,8 @@ def kernel_path(request, monkeypatch) -> str:
 def forward_backward(fn: Callable, inputs: Sequence[torch.Tensor | None], upstream: Sequence[torch.Tensor],
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Outputs of ``fn(*inputs)`` and the gradients of every input given the upstream gradients."""
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+    leaves = [None if t is None else t.detach().to(DEVICE).clone().requires_grad_() for t in inputs]
+    upstream = [u.to(DEVICE) for u in upstream]
     outs = fn(*leaves)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     assert len(outs) == len(upstream)
