@@ -1,7 +1,7 @@
 """Convergence: twin models trained with our kernels and with plain PyTorch (kernels off), same seed
 and data, give the same per-step losses and close final parameters (Liger's convergence suite).
 
-Default tier: tiny random Llama / Qwen3 (kernels on the CPU default path, and forced through the
+Default tier: tiny random Llama / Qwen3 / Qwen3-MoE (kernels on the CPU default path, and forced through the
 Triton interpreter). Slow tier: the bundled SmolLM2-135M for 30 steps (the issue's ask), and the
 bundled GGUF as transformers dequantizes it vs tokenfab's own GGUF loader.
 """
@@ -33,13 +33,14 @@ def _assert_twins(m_on, m_off, losses_on, losses_off) -> None:
         torch.testing.assert_close(p_on, p_off, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
 def test_kernels_vs_plain_pytorch_tiny(tmp_path, model_type):
     data = toy_examples(24, seed=5)
     m_on, m_off = tiny_model(model_type), tiny_model(model_type)
     on = _train(m_on, data, tmp_path, True, 10)
     off = _train(m_off, data, tmp_path, False, 10)
     assert m_on._tokenfab_kernels and not hasattr(m_off, "_tokenfab_kernels")
+    assert ("moe_experts" in m_on._tokenfab_kernels) == (model_type == "qwen3_moe")
     assert off[-1] < off[0]  # it trains
     _assert_twins(m_on, m_off, on, off)
 

@@ -7,12 +7,13 @@ import torch
 
 
 def tiny_model(model_type: str = "llama", seed: int = 0, vocab: int = 96, tie: bool = True):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[model_type]
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16} if model_type == "qwen3_moe" else {}
     config = cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                 tie_word_embeddings=tie, rms_norm_eps=1e-6, attn_implementation="sdpa")
+                 tie_word_embeddings=tie, rms_norm_eps=1e-6, attn_implementation="sdpa", **moe)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

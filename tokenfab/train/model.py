@@ -74,6 +74,7 @@ def _kernels() -> dict[str, Callable | None]:
         "silu_and_mul": _optional("tokenfab.kernels.activation_train", "silu_and_mul_train"),
         "gelu_and_mul": _optional("tokenfab.kernels.activation_train", "gelu_and_mul_train"),
         "flce": _optional("tokenfab.kernels.loss", "fused_linear_cross_entropy"),
+        "moe_experts": _optional("tokenfab.kernels.moe_train", "moe_experts_train"),
     }
 
 
@@ -135,6 +136,16 @@ def _mlp_forward(act_and_mul: Callable) -> Callable:
     return forward
 
 
+def _experts_forward(moe_experts: Callable, act: str) -> Callable:
+    """HF's stacked experts (Qwen3-MoE layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]) through the
+    grouped-GEMM training kernel: sorted by expert, no per-expert Python loop."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)
+
+    return forward
+
+
 def _causal_lm_forward(flce: Callable | None) -> Callable:
     """The CausalLM's forward: given ``shift_labels`` it returns the summed loss from the final
     hidden states (FLCE against lm_head's weight: the [tokens, vocab] logits never exist in full);
@@ -173,7 +184,8 @@ def apply_kernels(hf_model: nn.Module) -> list[str]:
     """Patch our training kernels into ``hf_model`` (in place); returns the ops patched.
 
     RMSNorm (every instance; the post-attention one fused with the residual add), RoPE (in each
-    attention), the MLP's act-and-mul, and the loss (FLCE from the final hidden states). The
+    attention), the MLP's act-and-mul, MoE experts (grouped GEMMs, Qwen3-MoE's SwiGLU experts), and
+    the loss (FLCE from the final hidden states). The
     ``shift_labels`` forward (what ``packed_loss`` calls) is installed even when FLCE is missing.
     """
     config = hf_model.config
@@ -199,6 +211,10 @@ def apply_kernels(hf_model: nn.Module) -> list[str]:
             module._tf_eager = eager_attention_forward
             module.forward = types.MethodType(_attention_forward(ops["rope"]), module)
             patched.add("rope")
+        elif name.endswith("Experts") and getattr(module, "gate_up_proj", None) is not None \
+                and module.gate_up_proj.dim() == 3 and ops["moe_experts"] is not None and act_name == "silu_and_mul":
+            module.forward = types.MethodType(_experts_forward(ops["moe_experts"], "silu"), module)
+            patched.add("moe_experts")
         elif name.endswith("MLP") and hasattr(module, "gate_proj") and act_fn is not None:
             module.forward = types.MethodType(_mlp_forward(act_fn), module)
             patched.add(act_name)
