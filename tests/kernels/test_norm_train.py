@@ -56,6 +56,20 @@ def test_mixed_dtypes_follow_hf(kernel_path, gen):
                   up, torch.bfloat16)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_autocast_mixed_residual(offset, kernel_path, gen):
+    """A bf16 sublayer output added to an fp32 residual stream (autocast with fp32 weights): the sum
+    and the norm in fp32 as torch's promotion gives, each input's gradient in its own dtype."""
+    x, r = _rand((6, 200), torch.bfloat16, gen), _rand((6, 200), torch.float32, gen)
+    w = _rand(200, torch.float32, gen)
+    up = [_rand((6, 200), torch.float32, gen), _rand((6, 200), torch.float32, gen)]
+    outs, grads = forward_backward(lambda x, w, r: rms_norm_train(x, w, 1e-6, r, offset), [x, w, r], up)
+    assert [o.dtype for o in outs] == [torch.float32, torch.float32]
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    check_against(lambda x, w, r: rms_norm_train(x, w, 1e-6, r, offset),
+                  lambda x, w, r: rms_norm_train_ref(x, w, 1e-6, r, offset), [x, w, r], up)
+
+
 def _hf_norm(kind: str, hidden: int, weight: torch.Tensor, eps: float):
     if kind == "llama":
         from transformers.models.llama.modeling_llama import LlamaRMSNorm as cls
@@ -108,7 +122,7 @@ def test_empty_and_bad_input(kernel_path):
     with pytest.raises(ValueError, match="weight"):
         rms_norm_train(torch.ones(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="residual"):
-        rms_norm_train(torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(2, 8, dtype=torch.bfloat16))
+        rms_norm_train(torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(2, 7))
 
 
 def test_torch_compile_module(monkeypatch, gen):
@@ -138,3 +152,14 @@ def test_torch_compile_module(monkeypatch, gen):
         grads.append((out.detach(), block.w.grad.clone(), block.lin.weight.grad.clone()))
     for a, b in zip(*grads):
         assert_train_close_scaled(a, b)
+
+
+def test_frozen_weight(kernel_path, gen):
+    """LoRA freezes the norms: only x gets a gradient, the same as with a trainable weight."""
+    x = _rand((4, 96), torch.float32, gen).to(DEVICE).requires_grad_()
+    w = _rand(96, torch.float32, gen).to(DEVICE)
+    dy = _rand((4, 96), torch.float32, gen).to(DEVICE)
+    rms_norm_train(x, w, 1e-6).backward(dy)
+    _, ref_grads = forward_backward(lambda x, w: rms_norm_train_ref(x, w, 1e-6), [x.detach(), w], [dy])
+    assert w.grad is None
+    assert_train_close_scaled(x.grad, ref_grads[0])

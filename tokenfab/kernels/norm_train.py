@@ -2,9 +2,10 @@
 algorithm; issue 18).
 
 ``rms_norm_train(x, weight, eps, residual=None, offset=0.0)`` returns ``y`` or, with a residual,
-``(y, residual_sum)`` where ``residual_sum = x + residual`` (rounded to the input dtype, as the HF
-decoder layer's ``residual + hidden_states``) and ``y = norm(residual_sum)``. Numerics follow the
-Hugging Face modules:
+``(y, residual_sum)`` where ``residual_sum = x + residual`` (rounded to the promoted dtype of the two,
+as the HF decoder layer's ``residual + hidden_states``; under autocast a bf16 sublayer output meets an
+fp32 residual stream) and ``y = norm(residual_sum)``. Numerics follow the Hugging Face modules
+("input dtype" below: residual_sum's):
 
 - ``offset == 0`` (Llama casting, ``LlamaRMSNorm``): ``weight * (s * rstd).to(input dtype)``, the
   normalised value rounded to the input dtype before the weight multiply, output in the promoted
@@ -55,8 +56,13 @@ def rms_norm_train_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     return y if residual is None else (y, s)
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor, offset: float) -> torch.dtype:
-    return torch.promote_types(x.dtype, weight.dtype) if offset == 0.0 else x.dtype
+def _sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """The dtype of x + residual (promoted: under autocast a bf16 sublayer output meets an fp32 stream)."""
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _out_dtype(s_dtype: torch.dtype, weight: torch.Tensor, offset: float) -> torch.dtype:
+    return torch.promote_types(s_dtype, weight.dtype) if offset == 0.0 else s_dtype
 
 
 # ----------------------------------------------------------------------------- Triton kernels
@@ -80,7 +86,7 @@ def _rms_norm_train_fwd_kernel(
     s = tl.load(x_ptr + offs, mask=m, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + offs, mask=m, other=0.0)
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + offs, s, mask=m)
     sf = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)
@@ -88,7 +94,7 @@ def _rms_norm_train_fwd_kernel(
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32) + offset
     xh = sf * rstd[:, None]
     if LLAMA_CAST:
-        xh = xh.to(x_ptr.dtype.element_ty).to(tl.float32)
+        xh = xh.to(s_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + offs, (xh * w[None, :]).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -152,8 +158,9 @@ def _rms_norm_train_fwd_triton(x, weight, residual, eps, offset):
     h = x.shape[-1]
     x2 = _rows(x)
     n = x2.shape[0]
-    y = torch.empty(x.shape, dtype=_out_dtype(x, weight, offset), device=x.device)
-    s = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    sdt = _sum_dtype(x, residual)
+    y = torch.empty(x.shape, dtype=_out_dtype(sdt, weight, offset), device=x.device)
+    s = torch.empty(x.shape, dtype=sdt, device=x.device) if residual is not None else x.new_empty(0)
     rstd = torch.empty(n, dtype=torch.float32, device=x.device)
     if n == 0 or h == 0:
         return y, s, rstd
@@ -195,9 +202,9 @@ def _rms_norm_train_fwd_torch(x, weight, residual, eps, offset):
     rstd = torch.rsqrt(sf.pow(2).mean(-1) + eps)
     xh = sf * rstd[..., None]
     if offset == 0.0:
-        y = (xh.to(s.dtype).float() * weight.float()).to(_out_dtype(x, weight, offset))
+        y = (xh.to(s.dtype).float() * weight.float()).to(_out_dtype(s.dtype, weight, offset))
     else:
-        y = (xh * (offset + weight.float())).to(x.dtype)
+        y = (xh * (offset + weight.float())).to(s.dtype)
     return y, (s if residual is not None else x.new_empty(0)), rstd.reshape(-1)
 
 
@@ -233,8 +240,9 @@ def rms_norm_train_fwd(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
 @rms_norm_train_fwd.register_fake
 def _(x, weight, residual, eps, offset):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    s = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, offset))
+    sdt = _sum_dtype(x, residual)
+    s = x.new_empty(x.shape, dtype=sdt) if residual is not None else x.new_empty(0)
+    y = x.new_empty(x.shape, dtype=_out_dtype(sdt, weight, offset))
     return y, s, x.new_empty(rows, dtype=torch.float32)
 
 
@@ -261,6 +269,7 @@ class RMSNormTrainFunction(torch.autograd.Function):
         ctx.save_for_backward(s if has_res else x, weight, rstd)
         ctx.has_residual = has_res
         ctx.offset = offset
+        ctx.dtypes = (x.dtype, residual.dtype if has_res else None)
         if has_res:
             return y, s
         return y
@@ -270,9 +279,11 @@ class RMSNormTrainFunction(torch.autograd.Function):
         s, weight, rstd = ctx.saved_tensors
         ds = rest[0] if ctx.has_residual else None
         if dy is None:
-            dy = torch.zeros(s.shape, dtype=torch.promote_types(s.dtype, weight.dtype), device=s.device)
-        dx, dw = torch.ops.tokenfab.rms_norm_train_bwd(dy, ds, s, weight, rstd, ctx.offset)
-        return dx, dw, (dx if ctx.has_residual else None), None, None
+            dy = torch.zeros(s.shape, dtype=_out_dtype(s.dtype, weight, ctx.offset), device=s.device)
+        ds_total, dw = torch.ops.tokenfab.rms_norm_train_bwd(dy, ds, s, weight, rstd, ctx.offset)
+        x_dtype, r_dtype = ctx.dtypes
+        dres = ds_total.to(r_dtype) if ctx.has_residual else None
+        return ds_total.to(x_dtype), (dw if ctx.needs_input_grad[1] else None), dres, None, None
 
 
 def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -280,7 +291,7 @@ def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     """RMSNorm over the last dim with gradients for x, weight (and residual); see the module doc."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_train: weight {tuple(weight.shape)} does not match hidden {x.shape[-1]}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm_train: residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm_train: residual {tuple(residual.shape)} must match x "
+                         f"{tuple(x.shape)}")
     return RMSNormTrainFunction.apply(x, weight, residual, float(eps), float(offset))
