@@ -55,6 +55,20 @@ def test_arbitrary_cos_sin_halves_and_broadcast_batch(kernel_path, gen):
     check_against(lambda q, k: rope_train(q, k, cos, sin), lambda q, k: rope_train_ref(q, k, cos, sin), [q, k], up)
 
 
+def test_autocast_fp32_cos_sin(kernel_path, gen):
+    """Under autocast q/k are bf16 while HF's cos/sin stay fp32: q and k keep their dtype, values
+    within bf16 tolerance of the fp32 computation."""
+    q, k = _qk(2, 4, 2, 6, 64, torch.bfloat16, gen)
+    cos, sin = _hf_cos_sin(2, 6, 64, torch.float32)
+    up = [torch.randn(t.shape, generator=gen).to(torch.bfloat16) for t in (q, k)]
+    outs, grads = forward_backward(lambda q, k: rope_train(q, k, cos, sin), [q, k], up)
+    assert {t.dtype for t in outs + grads} == {torch.bfloat16}
+    exact = lambda q, k: tuple(t.to(torch.bfloat16) for t in rope_train_ref(q.float(), k.float(), cos, sin))  # noqa: E731
+    ref_outs, ref_grads = forward_backward(exact, [q, k], up)
+    for a, b in zip(outs + grads, ref_outs + ref_grads):
+        assert_train_close_scaled(a, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_hf_apply_rotary_pos_emb(dtype, kernel_path, gen):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

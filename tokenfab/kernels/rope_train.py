@@ -117,14 +117,15 @@ def _rope_train_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ba
 
 
 def _rope_train_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """HF's operations in the input dtype (the forward equals the reference); the backward applies
-    the transpose of rotate_half, [v1, v2] -> [v2, -v1], to ``x * sin``."""
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+    """HF's operations (the forward equals the reference; fp32 cos/sin under autocast promote, and the
+    result is cast back to x's dtype); the backward applies the transpose of rotate_half,
+    [v1, v2] -> [v2, -v1], to ``x * sin``."""
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     if not backward:
-        return x * c + _rotate_half(x) * s
+        return (x * c + _rotate_half(x) * s).to(x.dtype)
     xs = x * s
     half = x.shape[-1] // 2
-    return x * c + torch.cat((xs[..., half:], -xs[..., :half]), dim=-1)
+    return (x * c + torch.cat((xs[..., half:], -xs[..., :half]), dim=-1)).to(x.dtype)
 
 
 @torch.library.custom_op("tokenfab::rope_train", mutates_args=())
