@@ -206,8 +206,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     ce = _ce_chunk_triton if triton_path else ce_chunk_ref
     labels = labels.contiguous()
     grad_h = hidden.new_empty(hidden.shape) if need_h else None  # contiguous whatever hidden's strides
-    # grad_W accumulates over chunks in fp32 (one [V, H] buffer; for fp32 weights the gradient itself)
-    grad_w = torch.zeros(v, h, dtype=torch.float32, device=dev) if need_w else None
+    # grad_W accumulates over chunks in the weight's dtype, like Liger: addmm computes each chunk's
+    # product plus the running sum in fp32 and rounds once; an fp32 buffer for a 16-bit head would
+    # cost 2 bytes more per weight (2 GB more for Llama-3-8B's head) plus a temporary per chunk
+    grad_w = torch.zeros(v, h, dtype=weight.dtype, device=dev) if need_w else None
     grad_b = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
     loss_rows = torch.empty(t, dtype=torch.float32, device=dev)
     if reduction == "mean":
@@ -225,16 +227,11 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         if need_h:
             torch.mm(dlogits, weight, out=grad_h[s:e])
         if need_w:
-            if dlogits.dtype == torch.float32:
-                grad_w.addmm_(dlogits.t(), h_c)
-            else:  # one rounding of the chunk's product, then an fp32 sum over chunks
-                grad_w.add_(torch.mm(dlogits.t(), h_c))
+            grad_w.addmm_(dlogits.t(), h_c)
         if need_b:
             grad_b.add_(dlogits.sum(dim=0, dtype=torch.float32))
         del logits, dlogits
     loss = loss_rows.sum() * scale[0]
-    if grad_w is not None:
-        grad_w = grad_w.to(weight.dtype)
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
     return loss, grad_h, grad_w, grad_b
@@ -279,17 +276,26 @@ def fused_linear_cross_entropy(
 
     Leading dimensions of ``hidden`` / ``labels`` are flattened. The gradients for hidden, weight
     and bias (those that require grad) are computed in this call, chunk by chunk; with grad mode
-    off (or nothing requiring grad) only the loss is computed.
+    off (or nothing requiring grad) only the loss is computed. Under autocast the head runs in the
+    autocast dtype (as ``F.linear`` would).
     """
     if hidden.dim() > 2:
         hidden = hidden.reshape(-1, hidden.shape[-1])
         labels = labels.reshape(-1)
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type):
+        # what autocast does to an LM head: run it in the autocast dtype (the casts are differentiable,
+        # so the gradients reach fp32 master weights); the chunks then run with autocast off
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
     _check(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss_scale, reduction, chunk_size)
     args = (ignore_index, float(label_smoothing), float(z_loss_scale), reduction, chunk_size)
     needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    if not (torch.is_grad_enabled() and any(needs)):
-        return flce_forward(hidden, weight, labels, bias, *args, (False, False, False))[0]
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, *args)
+    with torch.autocast(dev_type, enabled=False):
+        if not (torch.is_grad_enabled() and any(needs)):
+            return flce_forward(hidden, weight, labels, bias, *args, (False, False, False))[0]
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, *args)
 
 
 def fused_linear_cross_entropy_ref(
