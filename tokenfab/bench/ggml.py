@@ -6,7 +6,8 @@ For each weight shape and activation row count M it times ``ggml_matmul`` (act f
 torch's float32 ``x @ w.T`` on the dequantized weight, and reports weight bytes read per second
 (the figure that bounds single-stream decode) and the speedup over float32. Each timed call uses
 the next of several weight copies, together larger than the last-level cache, so the weights
-stream from memory as they do in a real forward pass (one model's weights do not fit in cache).
+stream from memory as they do in a real forward pass (one model's weights do not fit in cache);
+the fastest call is reported.
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ def random_packed(n: int, k: int, qtype: str, gen: torch.Generator) -> torch.Ten
 
 
 def _time(fn, copies: int, min_s: float) -> float:
-    """Best mean seconds a call over rounds of ``copies`` calls (call i takes copy i)."""
+    """Fastest single call, in seconds, call i taking copy i (so each call reads its weights cold).
+    The minimum, not the mean: on a shared machine other processes only ever add time."""
     for i in range(copies):
         fn(i)
     best = float("inf")
     t_end = time.perf_counter() + min_s
     while True:
-        t0 = time.perf_counter()
         for i in range(copies):
+            t0 = time.perf_counter()
             fn(i)
-        best = min(best, (time.perf_counter() - t0) / copies)
+            best = min(best, time.perf_counter() - t0)
         if time.perf_counter() > t_end:
             return best
 
