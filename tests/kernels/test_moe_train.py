@@ -137,6 +137,7 @@ def test_matches_hf_qwen3_moe_experts(path, device, gen):
         (dict(topk_ids=torch.tensor([[0], [1], [2]])), "topk ids"),
         (dict(w_down=torch.randn(4, 8, 5)), "do not fit"),
         (dict(hidden=torch.randn(3, 8, 1)), "expected hidden"),
+        (dict(hidden=torch.randn(3, 8, dtype=BF16)), "share a dtype"),
     ],
 )
 def test_bad_input(change, match):
@@ -201,3 +202,22 @@ def test_no_tokens(path, device):
     assert out.shape == (0, 8)
     out.sum().backward()
     assert wgu.grad is None or torch.count_nonzero(wgu.grad) == 0
+
+
+def test_autocast_master_weights(path, device, gen):
+    """fp32 weights under bf16 autocast: the experts run in bf16 (as autocast's F.linear in HF's loop)
+    and the gradients reach the fp32 leaves."""
+    hid, ids, tw, wgu, wd = _experts_inputs(17, 32, 24, 5, 2, F32, device, gen)
+    dy = torch.randn(17, 32, generator=gen).to(device, BF16)
+    leaves = [hid, tw, wgu, wd]
+    with torch.autocast(device.type, dtype=BF16):
+        out, grads = _grads(lambda: M.moe_experts_train(hid, ids, tw, wgu, wd), leaves, dy)
+    bf = [x.detach().to(BF16).requires_grad_() for x in (hid, wgu, wd)]
+    tw_ref = tw.detach().clone().requires_grad_()
+    out_ref, grads_ref = _grads(lambda: M.moe_experts_train_ref(bf[0], ids, tw_ref, bf[1], bf[2]),
+                                [bf[0], tw_ref, bf[1], bf[2]], dy)
+    assert out.dtype == BF16
+    assert_train_close(out, out_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == F32
+        assert_train_close(g, g_ref.float(), BF16)

@@ -248,6 +248,9 @@ def _check_experts(hidden, topk_ids, topk_weights, w_gate_up, w_down, act) -> No
         raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} for {t} tokens")
     if topk_ids.dtype.is_floating_point:
         raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+    if not hidden.dtype == w_gate_up.dtype == w_down.dtype:
+        raise ValueError(f"hidden and expert weights must share a dtype: {hidden.dtype}, {w_gate_up.dtype}, "
+                         f"{w_down.dtype}")
     if topk_ids.device.type == "cpu" and topk_ids.numel():
         if bool(((topk_ids < 0) | (topk_ids >= e)).any()):
             raise ValueError(f"topk_ids must lie in [0, {e})")
@@ -271,7 +274,16 @@ def moe_experts_train(
     No per-expert Python loop on the Triton path; differentiable in hidden, topk_weights,
     w_gate_up and w_down. The k outputs of a token are summed in fp32, in slot order.
     """
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type):  # what autocast does to HF's per-expert F.linear calls
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden, w_gate_up, w_down = hidden.to(dt), w_gate_up.to(dt), w_down.to(dt)
     _check_experts(hidden, topk_ids, topk_weights, w_gate_up, w_down, act)
+    with torch.autocast(dev_type, enabled=False):
+        return _experts(hidden, topk_ids, topk_weights, w_gate_up, w_down, act)
+
+
+def _experts(hidden, topk_ids, topk_weights, w_gate_up, w_down, act) -> torch.Tensor:
     t, h = hidden.shape
     k = topk_ids.shape[1]
     e = w_gate_up.shape[0]
