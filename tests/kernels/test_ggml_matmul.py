@@ -114,6 +114,24 @@ def test_matmul_edge_columns(n, m):
             assert_close(gm.ggml_matmul(x, packed, qtype, 64, act=act), _oracle(x, deq, act))
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_do_not_depend_on_the_batch(qtype, act):
+    """A row's result is bit-identical alone, in a partial tile and in a large batch, whatever the
+    thread count (the engine's batch-invariance contract)."""
+    packed, _ = _weights(qtype, 67, 576)
+    x = _x(130, 576, seed=5)
+    full = gm.ggml_matmul(x, packed, qtype, 576, act=act)
+    for rows in (slice(0, 1), slice(5, 7), slice(9, 12), slice(64, 130)):
+        assert torch.equal(gm.ggml_matmul(x[rows], packed, qtype, 576, act=act), full[rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gm.ggml_matmul(x, packed, qtype, 576, act=act), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _identity(qtype: str, k: int) -> torch.Tensor:
     """A packed K x K identity: scale 1 (float16 1.0 = 0x3c00), weight 1 on the diagonal, 0 elsewhere."""
     bb = gm.BLOCK_BYTES[qtype]

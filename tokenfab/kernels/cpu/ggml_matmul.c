@@ -191,9 +191,10 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
 /* res[m * N] = dot(x row m, dequant(weight row)) for the mt rows of one tile */
 AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, float *res, int64_t N) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
-    /* with few accumulators the FMA latency, not the throughput, would bound the loop: then
-     * two blocks a step, into two sets of accumulators */
-    const int U = mt * NV <= 4 ? 2 : 1;
+    /* two blocks a step into two sets of accumulators where the registers allow (else one
+     * row's FMA latency bounds the loop). U must not depend on mt: a row's sum then runs in the
+     * same order whatever tile it is in, so its result does not depend on the batch. */
+    const int U = GG_AVX512 ? 2 : 1;
     vf acc[8][NV];
     for (int m = 0; m < U * mt; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = v_zero();
