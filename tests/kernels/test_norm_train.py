@@ -15,7 +15,8 @@ from tokenfab.kernels.norm_train import rms_norm_train, rms_norm_train_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 kernel_path = train_helpers.kernel_path  # the fixture: every test below runs on both paths
-SHAPES = [(1, 64), (5, 1000), (3, 7, 576), (2, 3, 96)]  # one row, odd / non-power-of-2 hidden sizes
+# one row, odd / non-power-of-2 hidden sizes; 2100: the backward's one-row-at-a-time branch (BLOCK_R 1)
+SHAPES = [(1, 64), (5, 1000), (3, 7, 576), (2, 3, 96), (3, 2100)]
 
 
 def _rand(shape, dtype, gen, scale=1.0):
@@ -35,13 +36,15 @@ def test_rms_norm_train(shape, dtype, residual, offset, kernel_path, gen):
                   lambda x, w, r: rms_norm_train_ref(x, w, 1e-6, r, offset), [x, w, r], upstream)
 
 
-def test_weight_gradient_reduced_across_programs(monkeypatch, gen):
-    """Several programs (as on a GPU) each sum their rows into a partial dw; the partials add up."""
+@pytest.mark.parametrize("hidden", [200, 2100])
+def test_weight_gradient_reduced_across_programs(hidden, monkeypatch, gen):
+    """Several programs (as on a GPU) each sum their rows into a partial dw; the partials add up
+    (a program's last row block cut by the next program's range: 37 rows, 4 to 12 programs)."""
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     monkeypatch.setattr(norm_train, "num_sms", lambda device: 3)
-    x, r = _rand((10, 200), torch.float32, gen), _rand((10, 200), torch.float32, gen)
-    w = _rand(200, torch.float32, gen)
-    up = [_rand((10, 200), torch.float32, gen), _rand((10, 200), torch.float32, gen)]
+    x, r = _rand((37, hidden), torch.float32, gen), _rand((37, hidden), torch.float32, gen)
+    w = _rand(hidden, torch.float32, gen)
+    up = [_rand((37, hidden), torch.float32, gen), _rand((37, hidden), torch.float32, gen)]
     check_against(lambda x, w, r: rms_norm_train(x, w, 1e-5, r), lambda x, w, r: rms_norm_train_ref(x, w, 1e-5, r),
                   [x, w, r], up)
 

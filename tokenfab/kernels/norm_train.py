@@ -104,32 +104,57 @@ def _rms_norm_train_bwd_kernel(
     n_rows, H, rows_per_program, offset,
     HAS_DS: tl.constexpr,
     LLAMA_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Program p: rows [p*rows_per_program, ...) one at a time; dx per row, dw summed into dw[p, :]."""
+    """Program p: rows [p*rows_per_program, ...); dx per row, dw summed into dw[p, :].
+
+    Short rows (BLOCK_R > 1, e.g. a QK-norm's head dim) go BLOCK_R at a time as a 2D tile; long rows
+    one at a time as 1D vectors (the 2D form spills at 16384 in 32 warps, the 1D one does not). The
+    weight is re-read each step (from cache): one row-long array fewer held in registers.
+    """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     cm = cols < H
     dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for i in range(0, row_end - row_start):
-        row = row_start + i
-        off = row * H + cols
-        sf = tl.load(s_ptr + off, mask=cm, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + off, mask=cm, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        xh = sf * rstd
-        if LLAMA_CAST:
-            dw += dy * xh.to(s_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            dw += dy * xh
-        # w is re-read each row (from cache): one row-long array fewer in registers, no spills at 16384
-        g = dy * (tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32) + offset)
-        dx = rstd * (g - xh * (tl.sum(g * xh, axis=0) / H))
-        if HAS_DS:
-            dx += tl.load(ds_ptr + off, mask=cm, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=cm)
+    if BLOCK_R == 1:
+        for i in range(0, row_end - row_start):
+            row = row_start + i
+            off = row * H + cols
+            sf = tl.load(s_ptr + off, mask=cm, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + off, mask=cm, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            xh = sf * rstd
+            if LLAMA_CAST:
+                dw += dy * xh.to(s_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                dw += dy * xh
+            g = dy * (tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32) + offset)
+            dx = rstd * (g - xh * (tl.sum(g * xh, axis=0) / H))
+            if HAS_DS:
+                dx += tl.load(ds_ptr + off, mask=cm, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=cm)
+    else:
+        for r0 in range(0, row_end - row_start, BLOCK_R):
+            rows = row_start + r0 + tl.arange(0, BLOCK_R)
+            rm = rows < row_end
+            m = rm[:, None] & cm[None, :]
+            off = rows[:, None] * H + cols[None, :]
+            sf = tl.load(s_ptr + off, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0)
+            xh = sf * rstd[:, None]
+            if LLAMA_CAST:
+                dw += tl.sum(dy * xh.to(s_ptr.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw += tl.sum(dy * xh, axis=0)
+            g = dy * (tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32) + offset)[None, :]
+            dx = rstd[:, None] * (g - xh * (tl.sum(g * xh, axis=1) / H)[:, None])
+            if HAS_DS:
+                dx += tl.load(ds_ptr + off, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + off, dx.to(dx_ptr.dtype.element_ty), mask=m)
     tl.store(dw_ptr + pid.to(tl.int64) * H + cols, dw, mask=cm)
 
 
@@ -146,7 +171,14 @@ def fwd_config(hidden: int) -> dict:
 
 def bwd_config(hidden: int) -> dict:
     block_h = next_pow2(hidden)
-    return dict(BLOCK_H=block_h, num_warps=_warps(2 * block_h))  # twice the forward's: no spills at 16384
+    block_r = max(1, min(16, 2048 // block_h))
+    # twice the forward's warps for a tile: no spills at 16384
+    return dict(BLOCK_R=block_r, BLOCK_H=block_h, num_warps=_warps(2 * block_r * block_h))
+
+
+def bwd_programs(device: torch.device, hidden: int) -> int:
+    """Programs of the backward: a few per multiprocessor for short rows (each holds one dw partial)."""
+    return num_sms(device) * (4 if hidden <= 1024 else 2 if hidden <= 4096 else 1)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +213,7 @@ def _rms_norm_train_bwd_triton(dy, ds, s, weight, rstd, offset):
     dx = torch.empty(s.shape, dtype=s.dtype, device=s.device)
     if n == 0 or h == 0:
         return dx, torch.zeros_like(weight)
-    programs = min(num_sms(s.device), n)
+    programs = min(bwd_programs(s.device, h), n)
     per = triton.cdiv(n, programs)
     programs = triton.cdiv(n, per)
     dw = torch.empty(programs, h, dtype=torch.float32, device=s.device)
