@@ -17,7 +17,9 @@ from tokenfab.kernels.cpu import elementwise as native
 from tokenfab.kernels.loss import fused_linear_cross_entropy
 from tokenfab.kernels.moe_train import grouped_gemm_train, moe_experts_train
 from tokenfab.kernels.norm_train import rms_norm_train
-from tokenfab.kernels.rope_train import rope_train
+
+# rope_train is not re-exported: the name would shadow the submodule tokenfab.kernels.rope_train
+# (import it from there).
 
 rms_norm = eager_op(norm.rms_norm, norm.rms_norm_ref, native.rms_norm)
 add_rms_norm = eager_op(norm.add_rms_norm, norm.add_rms_norm_ref, native.add_rms_norm)
@@ -73,7 +75,6 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rms_norm_train",
-    "rope_train",
     "rotary_embedding",
     "sample",
     "silu_and_mul",
