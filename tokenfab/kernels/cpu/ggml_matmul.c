@@ -65,6 +65,13 @@
 #define GG_VNNI 0
 #endif
 
+/* q8 on 512-bit VNNI: two blocks a vpdpbusd (else one block a 256-bit one) */
+#if GG_AVX512 && GG_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GG_Q8_512 1
+#else
+#define GG_Q8_512 0
+#endif
+
 enum { GQ8_0 = 0, GQ4_0 = 1, GQ4_1 = 2 };
 static const int64_t BLOCK_BYTES[3] = {34, 18, 20};
 
@@ -308,14 +315,63 @@ AI __m256i wbytes(int qt, const uint8_t *b) {
 }
 #endif
 
+#if GG_Q8_512
+/* blocks b0, b1 as 64 unsigned bytes: Q4 nibbles as they are (Q4_0's -8 is in the accumulator's
+ * start value), Q8_0 offset by 128 (its -128 * sum(a) likewise) */
+AI __m512i wbytes2(int qt, const uint8_t *b0, const uint8_t *b1) {
+    if (qt == GQ8_0) {
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        return _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));
+    }
+    const int off = qt == GQ4_1 ? 4 : 2;
+    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + off))),
+                                              _mm_loadu_si128((const __m128i *)(b1 + off)), 1);
+    const __m256i lo = _mm256_and_si256(y, _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), _mm256_set1_epi8(15));
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* lo0 lo1 hi0 hi1 */
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));             /* lo0 hi0 lo1 hi1 */
+}
+#endif
+
+/* da16 [mt][nb/2][16]: the activation scales of block pairs, each over its 8 lanes; ci (Q4_0,
+ * Q8_0) the accumulators' start values, -offset * (lane sums of q). Both NULL without GG_Q8_512. */
 AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const float *d, const float *s, int64_t K,
-                    float *res, int64_t N) {
+                    float *res, int64_t N, const float *da16, const int32_t *ci) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
-    float accm[MQ] = {0};
+    float accm[MQ] = {0}, acc2[MQ] = {0};
+    int64_t b = 0;
+#if GG_Q8_512
+    {
+        const int64_t np = nb / 2;
+        __m512 a5[MQ];
+        for (int m = 0; m < mt; m++) a5[m] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < np; p++) {
+            const uint8_t *b0 = wr + 2 * p * bb, *b1 = b0 + bb;
+            const __m512i wz = wbytes2(qt, b0, b1);
+            const __m512 dw2 = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(b0)), _mm256_set1_ps(half_to_float(b1)), 1);
+            for (int m = 0; m < mt; m++) {
+                const int64_t o = (m * np + p) * 16;
+                const __m512i init = qt == GQ4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512(ci + o);
+                const __m512i dot = _mm512_dpbusd_epi32(init, wz, _mm512_loadu_si512(q + m * K + p * 64));
+                a5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw2, _mm512_loadu_ps(da16 + o)), a5[m]);
+            }
+            if (qt == GQ4_1) {
+                const float m0 = half_to_float(b0 + 2), m1 = half_to_float(b1 + 2);
+                for (int m = 0; m < mt; m++) accm[m] += m0 * s[m * nb + 2 * p] + m1 * s[m * nb + 2 * p + 1];
+            }
+        }
+        for (int m = 0; m < mt; m++) acc2[m] = _mm512_reduce_add_ps(a5[m]);
+        b = 2 * np;
+    }
+#else
+    (void)da16;
+    (void)ci;
+#endif
 #if GG_AVX512 || GG_AVX2
     __m256 acc[MQ];
     for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    for (; b < nb; b++) {
         const uint8_t *blk = wr + b * bb;
         const float dw = half_to_float(blk);
         const __m256i wv = wbytes(qt, blk);
@@ -335,11 +391,12 @@ AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const fl
         __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
         v = _mm_add_ps(v, _mm_movehl_ps(v, v));
         v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        res[m * N] = _mm_cvtss_f32(v) + accm[m];
+        res[m * N] = (_mm_cvtss_f32(v) + acc2[m]) + accm[m];
     }
 #else
     float acc[MQ] = {0};
-    for (int64_t b = 0; b < nb; b++) {
+    (void)acc2;
+    for (; b < nb; b++) {
         const uint8_t *blk = wr + b * bb;
         const float dw = half_to_float(blk);
         int8_t wq[32];
@@ -370,10 +427,10 @@ AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const fl
 
 #define GEMV_Q8_CASE(QT)                                                    \
     switch (mt) {                                                           \
-    case 1: gemv_row_q8(QT, 1, wr, qm, dm, sm, K, res, N); break;           \
-    case 2: gemv_row_q8(QT, 2, wr, qm, dm, sm, K, res, N); break;           \
-    case 3: gemv_row_q8(QT, 3, wr, qm, dm, sm, K, res, N); break;           \
-    default: gemv_row_q8(QT, 4, wr, qm, dm, sm, K, res, N); break;          \
+    case 1: gemv_row_q8(QT, 1, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
+    case 2: gemv_row_q8(QT, 2, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
+    case 3: gemv_row_q8(QT, 3, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
+    default: gemv_row_q8(QT, 4, wr, qm, dm, sm, K, res, N, dam, cim); break;          \
     }
 
 /* x [M, K] quantized per 32-block to int8, then integer block dot products with w */
@@ -388,6 +445,29 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
     }
     float *s = d + M * nb;
     quantize_rows_q8(x, M, K, q, d, s);
+    const int64_t np = nb / 2;
+    float *da16 = NULL;
+    int32_t *ci = NULL;
+#if GG_Q8_512
+    da16 = malloc(sizeof(float) * (size_t)(M * np * 16) + 64);
+    ci = malloc(sizeof(int32_t) * (size_t)(M * np * 16) + 64);
+    if (!da16 || !ci) {
+        free(q);
+        free(d);
+        free(da16);
+        free(ci);
+        return TF_ENOMEM;
+    }
+    const int32_t offset = qt == GQ8_0 ? 128 : (qt == GQ4_0 ? 8 : 0);
+    for (int64_t i = 0; i < M * np; i++) {
+        const int64_t m = i / np, p = i % np;
+        _mm512_storeu_ps(da16 + i * 16, _mm512_insertf32x8(_mm512_set1_ps(d[m * nb + 2 * p]),
+                                                           _mm256_set1_ps(d[m * nb + 2 * p + 1]), 1));
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
+                                                  _mm512_loadu_si512(q + m * K + p * 64));
+        _mm512_storeu_si512(ci + i * 16, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-offset)));
+    }
+#endif
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) if (N * K >= PAR_MIN_WEIGHTS)
     for (int64_t c = 0; c < chunks; c++) {
@@ -395,7 +475,8 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {
             const int mt = M - m0 < MQ ? (int)(M - m0) : MQ;
             const int8_t *qm = q + m0 * K;
-            const float *dm = d + m0 * nb, *sm = s + m0 * nb;
+            const float *dm = d + m0 * nb, *sm = s + m0 * nb, *dam = da16 ? da16 + m0 * np * 16 : NULL;
+            const int32_t *cim = ci ? ci + m0 * np * 16 : NULL;
             for (int64_t n = c * NC; n < n1; n++) {
                 const uint8_t *wr = w + n * rb;
                 float *res = out + m0 * N + n;
@@ -411,6 +492,8 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
     }
     free(q);
     free(d);
+    free(da16);
+    free(ci);
     return TF_OK;
 }
 
