@@ -12,7 +12,7 @@ VmHWM high-water mark is reset through /proc/self/clear_refs, so imports and set
 tracemalloc cannot see torch's allocations); on CUDA ``torch.cuda.max_memory_allocated`` above
 the allocated bytes before the step.
 
-    python -m tokenfab.bench.flce_memory [--tokens 2048 --vocab 49152 --hidden 576] \
+    tokenfab bench flce-memory [--tokens 2048 --vocab 49152 --hidden 576] \
         [--json benchmarks/results/cpu_flce_memory.json --markdown benchmarks/results/cpu_flce_memory.md]
 """
 
@@ -133,8 +133,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=49152)
@@ -145,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="write the Markdown table here")
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--frozen-head", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.device is None:
         import torch
 
@@ -178,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(md)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

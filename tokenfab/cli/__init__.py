@@ -20,6 +20,7 @@ BENCH_COMMANDS = {
     "engine": ("tokenfab.bench.engine", "end-to-end engine speed on a random model of a real shape"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
     "finetune": ("tokenfab.bench.finetune", "LoRA training tokens/s vs transformers + peft"),
+    "flce-memory": ("tokenfab.bench.flce_memory", "peak memory of the loss step with vs without fused linear CE"),
 }
 
 
