@@ -115,9 +115,13 @@ class OverlapScheduler:
         if prev is None:
             return []
         eng = self.engine
-        if prev.event is not None:
-            prev.event.synchronize()
-        tokens = prev.host.tolist()
+        try:
+            if prev.event is not None:
+                prev.event.synchronize()
+            tokens = prev.host.tolist()
+        except Exception as e:  # the device failed under step N: EngineDeadError when fatal
+            eng._raise_if_fatal(e)
+            raise
         outputs = []
         for seq, row in prev.rows.items():
             assert seq.token_ids[-1] == PLACEHOLDER, "a pending sequence lost its placeholder"
