@@ -1,6 +1,6 @@
 """Microbenchmark of the packed GGUF matmul kernels (``kernels/cpu/ggml_matmul``) on CPU.
 
-    python -m tokenfab.bench.ggml [--shapes bundled] [--m 1 4 64] [--json out.json]
+    python -m tokenfab.bench.ggml [--m 1 4 64] [--threads N] [--json out.json]
 
 For each weight shape and activation row count M it times ``ggml_matmul`` (act f32 and q8) and
 torch's float32 ``x @ w.T`` on the dequantized weight, and reports weight bytes read per second
@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[1], help="activation rows (1 = single-stream decode)")
     ap.add_argument("--min-seconds", type=float, default=0.5, help="time per measurement")
     ap.add_argument("--no-torch", action="store_true", help="skip the float32 torch peer")
+    ap.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = ggml_kernel_info()
     print(f"kernel: {info}")
     cache = _llc_bytes()
