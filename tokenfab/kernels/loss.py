@@ -254,9 +254,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("fused_linear_cross_entropy: its gradients were already used (one backward per call)")
         ctx.grads = None  # the engine then owns the only reference: AccumulateGrad takes them without a copy
         # identity fast path on CPU (free to check there; on a GPU the check would be a sync and
-        # the multiply costs little next to the GEMMs)
+        # the multiply costs little next to the GEMMs). In place: these tensors are ours alone now;
+        # the fp32 0-dim factor does not promote a bf16 gradient (computed in fp32, rounded once).
         if not (grad_out.device.type == "cpu" and float(grad_out) == 1.0):
-            grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in grads)
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_out)
         return (*grads, None, None, None, None, None, None)
 
 
