@@ -120,7 +120,7 @@ AI vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 AI float v_sum(vf v) { return _mm512_reduce_add_ps(v); }
 /* one block -> 32 floats in w[0..1] */
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
-    const vf d = _mm512_set1_ps(half_to_float(b));
+    const vf d = _mm512_set1_ps(half_to_float(b)); /* unused (and dropped) for Q4_1 */
     if (qt == GQ8_0) {
         w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
         w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
@@ -130,8 +130,15 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
      * 4 bits of each index: the low nibble needs no mask). Same roundings as d * (q - 8) and
      * fma(d, q, m): the table holds exactly those values. */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = qt == GQ4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)))
-                                     : _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_to_float(b + 2)));
+    __m512 table;
+    if (qt == GQ4_0) {
+        table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    } else { /* d and m converted together */
+        int32_t dm;
+        memcpy(&dm, b, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        table = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
+    }
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qt == GQ4_1 ? 4 : 2))));
     w[0] = _mm512_permutexvar_ps(v, table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
