@@ -207,6 +207,8 @@ def _check_grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> No
         raise ValueError(f"x and w must share a dtype: {x.dtype}, {w.dtype}")
     if counts.shape != (w.shape[0],) or counts.dtype.is_floating_point:
         raise ValueError(f"counts must be an integer tensor [{w.shape[0]}], got {counts.dtype} {tuple(counts.shape)}")
+    if counts.device != x.device or w.device != x.device:
+        raise ValueError(f"x, w and counts must be on one device: {x.device}, {w.device}, {counts.device}")
     if counts.device.type == "cpu":  # free on CPU; on a GPU it would be a sync
         if bool((counts < 0).any()) or int(counts.sum()) != x.shape[0]:
             raise ValueError(f"counts must be >= 0 and sum to the {x.shape[0]} rows of x, got {counts.tolist()}")
@@ -251,6 +253,8 @@ def _check_experts(hidden, topk_ids, topk_weights, w_gate_up, w_down, act) -> No
     if not hidden.dtype == w_gate_up.dtype == w_down.dtype:
         raise ValueError(f"hidden and expert weights must share a dtype: {hidden.dtype}, {w_gate_up.dtype}, "
                          f"{w_down.dtype}")
+    if not hidden.device == topk_ids.device == topk_weights.device == w_gate_up.device == w_down.device:
+        raise ValueError("hidden, topk ids/weights and expert weights must be on one device")
     if topk_ids.device.type == "cpu" and topk_ids.numel():
         if bool(((topk_ids < 0) | (topk_ids >= e)).any()):
             raise ValueError(f"topk_ids must lie in [0, {e})")
