@@ -296,3 +296,15 @@ def test_portable_builds_equal_native(tmp_path):
         assert other["info"]["isa"] == isa and other["info"]["vnni"] is False, other["info"]
         for a, b in zip(other["results"], native["results"], strict=True):
             assert_close(torch.tensor(a), torch.tensor(b))
+
+
+def test_bench_shape_runs():
+    """``tokenfab bench ggml``'s measurement on a tiny shape: every figure present and positive."""
+    from tokenfab.bench.ggml import bench_shape, random_packed
+
+    row = bench_shape(40, 64, "Q4_1", 2, cache_bytes=1 << 14, min_s=0.01)
+    for key in ("f32_us", "q8_us", "torch_f32_us", "f32_GBps", "speedup_f32", "speedup_q8"):
+        assert row[key] > 0, key
+    w = random_packed(8, 64, "Q4_1", torch.Generator().manual_seed(0))
+    deq = gm.dequantize(w, "Q4_1", 64)
+    assert torch.isfinite(deq).all() and deq.abs().max() < 1.0

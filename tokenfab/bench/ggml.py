@@ -1,6 +1,6 @@
 """Microbenchmark of the packed GGUF matmul kernels (``kernels/cpu/ggml_matmul``) on CPU.
 
-    python -m tokenfab.bench.ggml [--m 1 4 64] [--threads N] [--json out.json]
+    tokenfab bench ggml [--m 1 4 64] [--threads N] [--json out.json]   (or python -m tokenfab.bench.ggml)
 
 For each weight shape and activation row count M it times ``ggml_matmul`` (act f32 and q8) and
 torch's float32 ``x @ w.T`` on the dequantized weight, and reports weight bytes read per second
@@ -89,14 +89,22 @@ def _llc_bytes() -> int:
         return 32 << 20
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1], help="activation rows (1 = single-stream decode)")
     ap.add_argument("--min-seconds", type=float, default=0.5, help="time per measurement")
     ap.add_argument("--no-torch", action="store_true", help="skip the float32 torch peer")
     ap.add_argument("--threads", type=int, help="torch (and kernel) threads; default: torch's")
     ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tokenfab bench ggml``: print the table (and write JSON with ``--json``)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     info = ggml_kernel_info()

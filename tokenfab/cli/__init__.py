@@ -21,6 +21,7 @@ BENCH_COMMANDS = {
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
     "finetune": ("tokenfab.bench.finetune", "LoRA training tokens/s vs transformers + peft"),
     "flce-memory": ("tokenfab.bench.flce_memory", "peak memory of the loss step with vs without fused linear CE"),
+    "ggml": ("tokenfab.bench.ggml", "packed GGUF matmul kernels (CPU) vs float32 torch, weight GB/s"),
 }
 
 
