@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, saved_tensors
 from tokenfab.kernels import norm_train
 from tokenfab.kernels.norm_train import rms_norm_train, rms_norm_train_ref
 
@@ -166,3 +166,16 @@ def test_frozen_weight(kernel_path, gen):
     _, ref_grads = forward_backward(lambda x, w: rms_norm_train_ref(x, w, 1e-6), [x.detach(), w], [dy])
     assert w.grad is None
     assert_train_close_scaled(x.grad, ref_grads[0])
+
+
+def test_backward_keeps_only_input_and_rstd(kernel_path, gen):
+    """The memory saving: the backward keeps residual_sum (or x), the weight and one fp32 a row, where
+    HF's autograd keeps fp32 copies of the rows too (more than 3x the bytes in bf16)."""
+    x, r = _rand((64, 576), torch.bfloat16, gen).to(DEVICE), _rand((64, 576), torch.bfloat16, gen).to(DEVICE)
+    w = _rand(576, torch.bfloat16, gen).to(DEVICE).requires_grad_()
+    x.requires_grad_()
+    saved = saved_tensors(lambda: rms_norm_train(x, w, 1e-6, r))
+    nbytes = sum(t.numel() * t.element_size() for t in saved)
+    assert nbytes == 64 * 576 * 2 + 576 * 2 + 64 * 4, [(t.shape, t.dtype) for t in saved]
+    ref_bytes = sum(t.numel() * t.element_size() for t in saved_tensors(lambda: rms_norm_train_ref(x, w, 1e-6, r)))
+    assert nbytes < ref_bytes / 3

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, saved_tensors
 from tokenfab.kernels.rope_train import rope_train, rope_train_ref
 
 kernel_path = train_helpers.kernel_path  # the fixture: tests taking it run on both paths
@@ -117,3 +117,11 @@ def test_torch_compile_module(monkeypatch, gen):
         results.append((out.detach(), lin.weight.grad.clone()))
     for a, b in zip(*results):
         assert_train_close_scaled(a, b)
+
+
+def test_backward_keeps_only_cos_sin(kernel_path, gen):
+    q, k = _qk(2, 4, 2, 6, 64, torch.float32, gen)
+    q, k = q.to(DEVICE).requires_grad_(), k.to(DEVICE).requires_grad_()
+    cos, sin = _hf_cos_sin(2, 6, 64, torch.float32)
+    saved = saved_tensors(lambda: rope_train(q, k, cos, sin))
+    assert len(saved) == 2 and saved[0] is cos and saved[1] is sin

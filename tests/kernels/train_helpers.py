@@ -54,3 +54,16 @@ def check_against(fn: Callable, ref: Callable, inputs: Sequence[torch.Tensor | N
             assert_train_close_scaled(g, r, dtype)
         except AssertionError as e:
             raise AssertionError(f"gradient of input {i}: {e}") from None
+
+
+def saved_tensors(fn: Callable, *args) -> list[torch.Tensor]:
+    """The tensors autograd keeps for the backward of ``fn(*args)``."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return saved
