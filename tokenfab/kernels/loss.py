@@ -176,6 +176,9 @@ def _check(hidden, weight, labels, bias, ignore_index, label_smoothing, z_loss_s
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"hidden, weight (and bias) must share a dtype: {hidden.dtype}, {weight.dtype}")
+    if not hidden.device == weight.device == labels.device or (bias is not None and bias.device != hidden.device):
+        raise ValueError(f"hidden, weight, labels (and bias) must be on one device: {hidden.device}, "
+                         f"{weight.device}, {labels.device}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
