@@ -72,17 +72,16 @@ def test_bad_input(kernel_path):
     assert silu_and_mul_train(empty, empty).shape == (0, 8)
 
 
-def test_torch_compile_module(monkeypatch, gen):
+def test_torch_compile_module(kernel_path, gen):
     """An MLP using the ops traces under torch.compile (fullgraph) with the eager values and grads."""
-    monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
     torch.manual_seed(0)
-    gate_up, down = torch.nn.Linear(16, 64), torch.nn.Linear(32, 16)
+    gate_up, down = torch.nn.Linear(16, 64).to(DEVICE), torch.nn.Linear(32, 16).to(DEVICE)
 
     def mlp(x):
         g, u = gate_up(x).chunk(2, dim=-1)
         return down(silu_and_mul_train(g, u) + gelu_and_mul_train(g, u))
 
-    x = _rand((3, 16), torch.float32, gen)
+    x = _rand((3, 16), torch.float32, gen).to(DEVICE)
     results = []
     for fn in (mlp, torch.compile(mlp, fullgraph=True, backend="aot_eager")):
         gate_up.zero_grad()

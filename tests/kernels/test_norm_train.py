@@ -128,10 +128,9 @@ def test_empty_and_bad_input(kernel_path):
         rms_norm_train(torch.ones(2, 8), torch.ones(8), 1e-6, torch.ones(2, 7))
 
 
-def test_torch_compile_module(monkeypatch, gen):
+def test_torch_compile_module(kernel_path, gen):
     """A module using the op traces under torch.compile (fullgraph; the custom ops' fake impls) and
-    gives the eager values and gradients (CPU, the torch path)."""
-    monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
+    gives the eager values and gradients (the custom ops run the Triton kernels or the torch twins)."""
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -144,8 +143,8 @@ def test_torch_compile_module(monkeypatch, gen):
             return rms_norm_train(y, self.w, 1e-6, offset=1.0) + s
 
     torch.manual_seed(0)
-    block = Block()
-    x, res = _rand((2, 6, 48), torch.float32, gen), _rand((2, 6, 48), torch.float32, gen)
+    block = Block().to(DEVICE)
+    x, res = _rand((2, 6, 48), torch.float32, gen).to(DEVICE), _rand((2, 6, 48), torch.float32, gen).to(DEVICE)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     grads = []
     for fn in (block, compiled):

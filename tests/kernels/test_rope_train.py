@@ -97,18 +97,17 @@ def test_bad_shapes(kernel_path):
         rope_train(q[0], k, torch.zeros(1, 3, 8), torch.zeros(1, 3, 8))
 
 
-def test_torch_compile_module(monkeypatch, gen):
+def test_torch_compile_module(kernel_path, gen):
     """A module using the op traces under torch.compile (fullgraph) with the eager values and grads."""
-    monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
-    lin = torch.nn.Linear(32, 3 * 32)
-    cos, sin = (t.cpu() for t in _hf_cos_sin(2, 5, 16, torch.float32))
+    lin = torch.nn.Linear(32, 3 * 32).to(DEVICE)
+    cos, sin = _hf_cos_sin(2, 5, 16, torch.float32)
 
     def attn_inputs(x):
         q, k, _ = lin(x).view(2, 5, 6, 16).transpose(1, 2).split(2, dim=1)
         q, k = rope_train(q, k, cos, sin)
         return (q * k).sum(-1)
 
-    x = torch.randn(2, 5, 32, generator=gen)
+    x = torch.randn(2, 5, 32, generator=gen).to(DEVICE)
     results = []
     for fn in (attn_inputs, torch.compile(attn_inputs, fullgraph=True, backend="aot_eager")):
         lin.zero_grad()
