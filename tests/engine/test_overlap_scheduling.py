@@ -202,34 +202,44 @@ def test_prefix_cache_hits_same_outputs_and_digests(tiny):
 
 
 def test_finished_request_keeps_no_extra_token_nor_block(tiny):
-    eng = tiny(True, num_kv_blocks=20, block_size=4)
-    eng.eos_token_ids = [2]
-    prompt = [5, 6, 7, 8, 9, 10, 11]  # 7 tokens: the 2nd generated token completes block 2
-    eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    seq = eng._seqs["a"]
-    outs = []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-    assert [o.finished for o in outs] == [False, True]
-    assert outs[-1].outputs[0].finish_reason == "length"
-    out_tokens = outs[-1].outputs[0].token_ids
-    assert len(out_tokens) == 2 and PLACEHOLDER not in seq.token_ids
-    assert seq.token_ids == prompt + out_tokens  # the 3rd token, computed at the step after, was dropped
-    assert eng._overlap.num_dropped_tokens == 1
-    assert seq.block_table == [] and eng.block_manager.num_free_blocks == 20
-    # prefix digests: the two full blocks of kept tokens [5..8], [9, 10, 11, t1]; t2 never counted
-    # (a sync engine does not compute t2's K/V; here it was computed but its block is not registered)
-    assert len(eng.block_manager.cached) == 2
+    from tokenfab.engine.kv_cache import _ROOT, hash_block
+
+    prompt = [5, 6, 7, 8, 9, 10]  # blocks of 4: [5 6 7 8] [9 10 t1 t2]
+    engines = {}
+    for a in (False, True):
+        eng = engines[a] = tiny(a, num_kv_blocks=20, block_size=4)
+        eng.eos_token_ids = [2]
+        eng.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        seq = eng._seqs["a"]
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        assert [o.finished for o in outs] == [False, True]
+        assert outs[-1].outputs[0].finish_reason == "length"
+        out_tokens = outs[-1].outputs[0].token_ids
+        assert len(out_tokens) == 2 and PLACEHOLDER not in seq.token_ids
+        assert seq.token_ids == prompt + out_tokens
+        assert seq.block_table == [] and eng.block_manager.num_free_blocks == 20
+    over = engines[True]
+    # the 2nd token was its last by count: no step was scheduled after the one that sampled it
+    assert over._overlap.num_dropped_tokens == 0 and over.num_steps == engines[False].num_steps == 2
     # an EOS ends the request on the EOS token itself, nothing after it
-    eng.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=1,
-                                                logit_bias={2: 100.0}))
-    seq_b = eng._seqs["b"]
-    while eng.has_unfinished_requests():
-        last = eng.step()
-    toks_b = last[-1].outputs[0].token_ids  # min_tokens=1 holds the EOS back for one token
-    assert len(toks_b) == 2 and toks_b[-1] == 2 and seq_b.token_ids == prompt + toks_b
-    assert eng._overlap.num_dropped_tokens == 2
-    assert seq_b.block_table == [] and eng.block_manager.num_free_blocks == 20
+    for eng in engines.values():
+        eng.add_request("b", prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=1,
+                                                    logit_bias={2: 100.0}))
+        seq_b = eng._seqs["b"]
+        while eng.has_unfinished_requests():
+            last = eng.step()
+        toks_b = last[-1].outputs[0].token_ids  # min_tokens=1 holds the EOS back for one token
+        assert len(toks_b) == 2 and toks_b[-1] == 2 and seq_b.token_ids == prompt + toks_b
+        assert seq_b.block_table == [] and eng.block_manager.num_free_blocks == 20
+        eng.block_manager.check_invariants()
+    # the EOS was known one step late: the step after it ran for b (writing the EOS's K/V, which
+    # fills block [9 10 t1 EOS]) and its token was dropped; that block was freed unregistered, so
+    # the prefix cache holds what the synchronous engine's does: [5 6 7 8] only
+    assert over._overlap.num_dropped_tokens == 1
+    assert set(over.block_manager.cached) == set(engines[False].block_manager.cached) \
+        == {hash_block(_ROOT, prompt[:4])}
 
 
 def test_next_step_launches_before_tokens_are_read_and_inputs_never_hold_placeholders(tiny):
@@ -252,8 +262,9 @@ def test_next_step_launches_before_tokens_are_read_and_inputs_never_hold_placeho
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    # call 1: prefill launched, nothing pending; calls 2..5: step N+1 launched, then step N read
-    assert events == ["launch", "nothing"] + ["launch", "read"] * 4
+    # call 1: prefill launched, nothing pending; calls 2..4: step N+1 launched, then step N read;
+    # call 5: the 4th tokens end every request by count, so nothing is launched, step 4 is read
+    assert events == ["launch", "nothing"] + ["launch", "read"] * 3 + ["read"]
 
 
 def test_a_failed_overlapped_launch_runs_synchronously(tiny, greedy_runs):

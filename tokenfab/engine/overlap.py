@@ -7,7 +7,9 @@ The models are SGLang's zero-overhead scheduler and vLLM V1's async scheduling. 
 1. schedules step N+1. Every sequence sampled at step N already carries a placeholder token
    (``PLACEHOLDER``) at the end of ``token_ids`` and has its step-N tokens counted as computed, so
    the scheduler, the block manager and ``ModelRunner.prepare`` see it as a decode of one more
-   token: positions, slots and block tables are built on the host as usual;
+   token: positions, slots and block tables are built on the host as usual. A sequence whose
+   pending token is its last by count (``max_tokens``, the context) is not scheduled again
+   (``Sequence.length_capped``): only a stop by content (EOS, stop ids/strings) costs a token;
 2. launches step N+1: the placeholders' rows of ``input_ids`` are filled on the device from step
    N's sampled-token tensor (one ``index_copy_``), then forward and sampling are queued; the
    sampled ids stay a device tensor, and a non-blocking copy to (pinned) host memory plus an
@@ -215,6 +217,9 @@ class OverlapScheduler:
             if sample_mask[i]:
                 seq.token_ids.append(PLACEHOLDER)
                 step.rows[seq] = r
+                mt = seq.params.max_tokens
+                seq.length_capped = (mt is not None and seq.num_output_tokens >= mt) \
+                    or seq.num_tokens >= eng.max_model_len
             elif done[i]:  # max_tokens 0: prefill only
                 eng._finish(seq, "length")
                 outputs.append(eng._output(seq))

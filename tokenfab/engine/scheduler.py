@@ -100,8 +100,10 @@ class Scheduler:
         # 1. running sequences: decodes first, then unfinished prefill chunks
         ordered = sorted(self.running, key=lambda s: (not s.is_decoding, s.sort_key))
         for seq in ordered:
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop (a status check: list membership is O(n))
+            if seq.status != SequenceStatus.RUNNING or seq.length_capped:
+                # preempted earlier in this loop (a status check: list membership is O(n)), or its
+                # pending token ends it (overlap scheduling): nothing more to compute
+                continue
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

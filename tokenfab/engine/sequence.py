@@ -54,6 +54,9 @@ class Sequence:
         )
         self.cache_salt = cache_salt  # mixed into the first block's prefix-cache digest
         self.num_preemptions = 0
+        # overlap scheduling: the token being sampled is this request's last by count (max_tokens or
+        # the context length), so no further step is scheduled for it (engine/overlap.py)
+        self.length_capped = False
         self.error: str | None = None  # set when the request failed inside a step
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
