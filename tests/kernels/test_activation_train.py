@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, saved_tensors
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, opcheck, saved_tensors
 from tokenfab.kernels.activation_train import (
     gelu_and_mul_train,
     gelu_and_mul_train_ref,
@@ -96,3 +96,9 @@ def test_backward_keeps_only_gate_and_up(kernel_path, gen):
     gate, up = (_rand((8, 96), torch.float32, gen).to(DEVICE).requires_grad_() for _ in range(2))
     saved = saved_tensors(lambda: silu_and_mul_train(gate, up))
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+
+
+def test_custom_ops_opcheck(kernel_path, gen):
+    g, u = _rand((6, 24), torch.float32, gen).to(DEVICE), _rand((6, 24), torch.float32, gen).to(DEVICE)
+    opcheck(torch.ops.tokenfab.act_and_mul_train_fwd, (g, u, "silu"))
+    opcheck(torch.ops.tokenfab.act_and_mul_train_bwd, (g, g, u, "gelu_tanh"))

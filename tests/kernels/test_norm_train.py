@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, saved_tensors
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, opcheck, saved_tensors
 from tokenfab.kernels import norm_train
 from tokenfab.kernels.norm_train import rms_norm_train, rms_norm_train_ref
 
@@ -178,3 +178,13 @@ def test_backward_keeps_only_input_and_rstd(kernel_path, gen):
     assert nbytes == 64 * 576 * 2 + 576 * 2 + 64 * 4, [(t.shape, t.dtype) for t in saved]
     ref_bytes = sum(t.numel() * t.element_size() for t in saved_tensors(lambda: rms_norm_train_ref(x, w, 1e-6, r)))
     assert nbytes < ref_bytes / 3
+
+
+def test_custom_ops_opcheck(kernel_path, gen):
+    x, r = _rand((4, 3, 40), torch.float32, gen).to(DEVICE), _rand((4, 3, 40), torch.float32, gen).to(DEVICE)
+    w, rstd = _rand(40, torch.float32, gen).to(DEVICE), (torch.rand(12, generator=gen) + 0.5).to(DEVICE)
+    ops = torch.ops.tokenfab
+    opcheck(ops.rms_norm_train_fwd, (x, w, r, 1e-6, 0.0))
+    opcheck(ops.rms_norm_train_fwd, (x.bfloat16(), w, None, 1e-6, 1.0))
+    opcheck(ops.rms_norm_train_bwd, (x, r, x, w, rstd, 0.0))
+    opcheck(ops.rms_norm_train_bwd, (x, None, x, w, rstd, 1.0))

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, saved_tensors
+from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, opcheck, saved_tensors
 from tokenfab.kernels.rope_train import rope_train, rope_train_ref
 
 kernel_path = train_helpers.kernel_path  # the fixture: tests taking it run on both paths
@@ -124,3 +124,10 @@ def test_backward_keeps_only_cos_sin(kernel_path, gen):
     cos, sin = _hf_cos_sin(2, 6, 64, torch.float32)
     saved = saved_tensors(lambda: rope_train(q, k, cos, sin))
     assert len(saved) == 2 and saved[0] is cos and saved[1] is sin
+
+
+def test_custom_op_opcheck(kernel_path, gen):
+    q, _ = _qk(2, 4, 1, 5, 8, torch.float32, gen)
+    cs = torch.randn(2, 5, 8, generator=gen).to(DEVICE)
+    for backward in (False, True):
+        opcheck(torch.ops.tokenfab.rope_train, (q.to(DEVICE), cs, cs, backward))

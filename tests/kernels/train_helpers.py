@@ -67,3 +67,9 @@ def saved_tensors(fn: Callable, *args) -> list[torch.Tensor]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return saved
+
+
+def opcheck(op, args: tuple) -> None:
+    """``torch.library.opcheck``: schema, fake impl and AOT dispatch of a registered custom op."""
+    res = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert all(v == "SUCCESS" for v in res.values()), res
