@@ -188,3 +188,14 @@ def test_custom_ops_opcheck(kernel_path, gen):
     opcheck(ops.rms_norm_train_fwd, (x.bfloat16(), w, None, 1e-6, 1.0))
     opcheck(ops.rms_norm_train_bwd, (x, r, x, w, rstd, 0.0))
     opcheck(ops.rms_norm_train_bwd, (x, None, x, w, rstd, 1.0))
+
+
+def test_rows_longer_than_a_block_take_the_torch_path(monkeypatch, gen):
+    """Rows past MAX_HIDDEN (16384 in the real config) run the torch twin even when Triton is chosen."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    monkeypatch.setattr(norm_train, "MAX_HIDDEN", 64)
+    monkeypatch.setattr(norm_train, "_rms_norm_train_fwd_triton", None)  # would fail if called
+    monkeypatch.setattr(norm_train, "_rms_norm_train_bwd_triton", None)
+    x, w = _rand((3, 100), torch.float32, gen), _rand(100, torch.float32, gen)
+    check_against(lambda x, w: rms_norm_train(x, w, 1e-6), lambda x, w: rms_norm_train_ref(x, w, 1e-6), [x, w],
+                  [_rand((3, 100), torch.float32, gen)])
