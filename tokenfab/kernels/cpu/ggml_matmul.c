@@ -83,7 +83,9 @@ static const int64_t BLOCK_BYTES[3] = {34, 18, 20};
 #define MT_MAX 4 /* activation rows per tile (AVX-512: 4 x 2 accumulators) */
 #endif
 #define MQ 4 /* activation rows per tile of the q8 kernel (one 8-lane accumulator each) */
-#define PAR_MIN_WEIGHTS 32768 /* parallelize when the weight matrix has at least this many elements */
+/* parallelize a product of at least this many multiply-adds: a 192 x 576 GEMV ran as fast on one
+ * thread as on two, and skips the barrier (which stalls when the other core is busy) */
+#define PAR_MIN_WORK 262144
 
 /* ---------- float16 scale ---------- */
 
@@ -247,7 +249,7 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
 
 static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t rb = K / 32 * BLOCK_BYTES[qt], chunks = (N + NC - 1) / NC;
-#pragma omp parallel for schedule(static) if (N * K >= PAR_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
@@ -279,7 +281,7 @@ int ggml_matmul_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int6
 /* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and d * sum(q) s [M, K/32] */
 /* exact IEEE division and rounding here: the reference (ggml_matmul.py) must reproduce every q */
 __attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
-#pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WORK)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *xb = x + i * 32;
         float amax = 0.0f;
@@ -476,7 +478,7 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
     }
 #endif
     const int64_t chunks = (N + NC - 1) / NC;
-#pragma omp parallel for schedule(static) if (N * K >= PAR_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {
@@ -509,7 +511,7 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
 /* out [R, K] = dequant(w rows rows[0..R)) (rows already checked to be in range) */
 void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows, int64_t R, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt];
-#pragma omp parallel for schedule(static) if (R * K >= PAR_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (R * K >= PAR_MIN_WORK)
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = w + rows[r] * rb;
         for (int64_t b = 0; b < nb; b++) {
