@@ -32,8 +32,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c")
-_HEADERS = ("common.h",)
+_SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c")
+_HEADERS = ("common.h", "ggml_common.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
 # is not pulled into the library.

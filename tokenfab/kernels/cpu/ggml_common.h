@@ -1,0 +1,107 @@
+/*
+ * What ggml_matmul.c (float32 activations) and ggml_q8.c (int8 activations) share: matmuls against
+ * packed GGML weights (GGUF's Q8_0, Q4_0, Q4_1 blocks, kept as the file stores them):
+ * out[M, N] = x[M, K] @ dequant(w[N, K/32 blocks]).T.
+ *
+ * Block layouts (32 weights each; d, m are float16):
+ *   Q8_0: d, 32 x int8                 x_j = d * q_j                  (34 bytes)
+ *   Q4_0: d, 16 bytes                  x_j = d * (q_j - 8)            (18 bytes)
+ *   Q4_1: d, m, 16 bytes               x_j = d * q_j + m              (20 bytes)
+ * In the 16 nibble bytes, element j < 16 is the low nibble of byte j and j + 16 its high nibble.
+ *
+ * Two activation modes:
+ *   f32 (ggml_matmul_f32): each weight block is dequantized in registers and multiplied with the
+ *     float32 activations (W4A32 / W8A32): float32 results, only the summation order differs from
+ *     x @ dequant(w).T. A thread takes NC weight rows at a time and passes every tile of MT_MAX
+ *     activation rows over them, dequantizing each block once per tile: at one tile (decode) each
+ *     weight byte is read once; at many (prefill) the NC rows stay in L1. (A panel of weights
+ *     dequantized once into a float buffer, then a register-tiled GEMM, measured 25% slower: the
+ *     in-register dequantization overlaps the FMAs, the buffer's stores and loads do not.)
+ *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8 (d = amax / 127,
+ *     q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
+ *     product (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C) scaled by d_w * d_x; Q4_1 adds
+ *     m_w * d_x * sum(q_x). The result equals quantize-dequantize(x) @ dequant(w).T up to float32
+ *     summation order.
+ *
+ * Code paths, chosen at build time from the compiler's target (the library is built with
+ * -march=native): AVX-512F (+ AVX512-VNNI/VL or AVX-VNNI for q8), AVX2 + FMA (+ F16C), and portable
+ * C. The f32 kernels are written once over a small vector layer (vf, VW lanes) defined per ISA.
+ * Work is split over weight rows with OpenMP (torch's threads: same libgomp). Functions that
+ * allocate return TF_OK or TF_ENOMEM (common.h).
+ */
+#ifndef TOKENFAB_GGML_COMMON_H
+#define TOKENFAB_GGML_COMMON_H
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(TF_GGML_SCALAR)
+#define GG_AVX512 0
+#define GG_AVX2 0
+#elif defined(__AVX512F__)
+#define GG_AVX512 1
+#define GG_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GG_AVX512 0
+#define GG_AVX2 1
+#else
+#define GG_AVX512 0
+#define GG_AVX2 0
+#endif
+
+#if !defined(TF_GGML_SCALAR) && defined(__AVX2__) && \
+    ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define GG_VNNI 1
+#else
+#define GG_VNNI 0
+#endif
+
+/* q8 on 512-bit VNNI: two blocks a vpdpbusd (else one block a 256-bit one) */
+#if GG_AVX512 && GG_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GG_Q8_512 1
+#else
+#define GG_Q8_512 0
+#endif
+
+enum { GQ8_0 = 0, GQ4_0 = 1, GQ4_1 = 2 };
+static const int64_t BLOCK_BYTES[3] = {34, 18, 20};
+
+#define AI static inline __attribute__((always_inline))
+#define NC 16 /* weight rows a thread takes at a time: they stay in L1 while every row tile passes */
+/* parallelize a product of at least this many multiply-adds: a 192 x 576 GEMV ran as fast on one
+ * thread as on two, and skips the barrier (which stalls when the other core is busy) */
+#define PAR_MIN_WORK 262144
+
+/* ---------- float16 scale ---------- */
+
+AI float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__) && !defined(TF_GGML_SCALAR)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* 2^-24: subnormal halves are exact floats */
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#endif
