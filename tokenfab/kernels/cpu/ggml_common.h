@@ -17,8 +17,8 @@
  *     weight byte is read once; at many (prefill) the NC rows stay in L1. (A panel of weights
  *     dequantized once into a float buffer, then a register-tiled GEMM, measured 25% slower: the
  *     in-register dequantization overlaps the FMAs, the buffer's stores and loads do not.)
- *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8 (d = amax / 127,
- *     q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
+ *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8
+ *     (d = amax / 127, q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
  *     product (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C) scaled by d_w * d_x; Q4_1 adds
  *     m_w * d_x * sum(q_x). The result equals quantize-dequantize(x) @ dequant(w).T up to float32
  *     summation order.

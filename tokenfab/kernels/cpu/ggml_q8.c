@@ -9,7 +9,8 @@
 
 /* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and d * sum(q) s [M, K/32] */
 /* exact IEEE division and rounding here: the reference (ggml_matmul.py) must reproduce every q */
-__attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+__attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const float *x, int64_t M, int64_t K,
+                                                                       int8_t *q, float *d, float *s) {
 #pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WORK)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *xb = x + i * 32;
@@ -87,7 +88,8 @@ AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const fl
         for (int64_t p = 0; p < np; p++) {
             const uint8_t *b0 = wr + 2 * p * bb, *b1 = b0 + bb;
             const __m512i wz = wbytes2(qt, b0, b1);
-            const __m512 dw2 = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(b0)), _mm256_set1_ps(half_to_float(b1)), 1);
+            const __m512 dw2 =
+                _mm512_insertf32x8(_mm512_set1_ps(half_to_float(b0)), _mm256_set1_ps(half_to_float(b1)), 1);
             for (int m = 0; m < mt; m++) {
                 const int64_t o = (m * np + p) * 16;
                 const __m512i init = qt == GQ4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512(ci + o);
