@@ -129,22 +129,12 @@ def _train(args: argparse.Namespace, train: list, evals: list | None, device) ->
 
 
 def _save_outputs(args, trainer, tokenizer, out: Path, rank: int, world: int) -> None:
-    from tokenfab.train import distributed as dist_util
-
     model = trainer.base_model
     base_name = args.model or BUNDLED_HUB_ID
-    if world > 1 and args.full:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            model.save_pretrained(out, state_dict=state)
-            tokenizer.save_pretrained(out)
-        return
     if world > 1:
-        dist_util.gather_for_save(model)
-    if rank != 0:
-        return
+        model = _gathered_copy(args, trainer, rank)
+        if model is None:
+            return
     if args.full:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -154,3 +144,29 @@ def _save_outputs(args, trainer, tokenizer, out: Path, rank: int, world: int) ->
     save_adapter(model, out, base_name)
     if args.merge:
         save_merged(model, tokenizer, out / "merged")  # merges the adapter into the weights in place
+
+
+def _gathered_copy(args, trainer, rank: int):
+    """Under FSDP2: all ranks gather the full state dict (a collective); rank 0 loads it into a fresh,
+    unsharded copy of the model (transformers' save and our adapter writer then see plain tensors,
+    and no rank waits on a collective the others never join). Other ranks get None."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tokenfab.train.model import load_training_model
+
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    model, _ = load_training_model(args.model, torch.float32, "cpu")
+    if not args.full:
+        from tokenfab.train.lora import inject_lora
+
+        c = trainer.config
+        inject_lora(model, r=c.lora_r, alpha=c.lora_alpha, dropout=c.lora_dropout,
+                    target_modules=c.lora_target_modules, use_rslora=c.use_rslora, init_seed=c.seed)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"gathered state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model

@@ -100,13 +100,3 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
-
-
-def gather_for_save(model: nn.Module) -> None:
-    """Unshard every FSDP2 module (all ranks must call it): afterwards the parameters are plain
-    full tensors, so rank 0 can write the adapter / merged model / full checkpoint as in one process."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.unshard()
