@@ -242,6 +242,17 @@ def test_finished_request_keeps_no_extra_token_nor_block(tiny):
         == {hash_block(_ROOT, prompt[:4])}
 
 
+def test_context_end_same_as_synchronous_and_not_scheduled_past_it(tiny):
+    prompts = make_prompts(4, seed=8, lo=10, hi=28)
+    requests = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    sync, over, eng = both(lambda a: tiny(a, max_model_len=32), requests)
+    assert over == sync
+    assert all(len(p) + len(tokens_of(sync[f"r{i}"])) == 32 for i, p in enumerate(prompts))
+    assert all(s[-1][3] == "length" for s in sync.values())
+    assert eng._overlap.num_dropped_tokens == 0
+
+
 def test_next_step_launches_before_tokens_are_read_and_inputs_never_hold_placeholders(tiny):
     eng = tiny(True)
     events: list[str] = []
