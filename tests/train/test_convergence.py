@@ -57,14 +57,14 @@ def test_kernels_through_the_triton_interpreter(tmp_path, monkeypatch):
     _assert_twins(m_on, m_off, on, off)
 
 
-def _chat_records(n: int) -> list[dict]:
-    """A fixed-format task: add two numbers, answer 'ANSWER: <sum>'."""
+def _task_records(n: int) -> list[dict]:
+    """A fixed-format task: add two numbers, answer 'ANSWER: <sum>' (prompt/completion records: short,
+    no chat template system prompt, so 30 full fine-tuning steps of the 135M model fit the slow tier)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
         a, b = (int(x) for x in torch.randint(0, 50, (2,), generator=g))
-        out.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                 {"role": "assistant", "content": f"ANSWER: {a + b}"}]})
+        out.append({"prompt": f"What is {a} plus {b}?", "completion": f" ANSWER: {a + b}"})
     return out
 
 
@@ -96,6 +96,7 @@ def test_bundled_gguf_matches_our_loader(bundled):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_bundled_model_30_steps_kernels_vs_plain(tmp_path, bundled):
     """The issue's convergence run: 30 full fine-tuning steps of SmolLM2-135M, kernels vs none."""
     import copy
@@ -103,10 +104,10 @@ def test_bundled_model_30_steps_kernels_vs_plain(tmp_path, bundled):
     from tokenfab.train.data import tokenize_record
 
     base, tokenizer = bundled
-    data = [tokenize_record(tokenizer, r, 64) for r in _chat_records(60)]
+    data = [tokenize_record(tokenizer, r, 64) for r in _task_records(60)]
     m_on, m_off = copy.deepcopy(base), copy.deepcopy(base)
-    on = _train(m_on, data, tmp_path, True, 30, batch_size=4, lr=1e-5)
-    off = _train(m_off, data, tmp_path, False, 30, batch_size=4, lr=1e-5)
+    on = _train(m_on, data, tmp_path, True, 30, batch_size=2, lr=1e-5)
+    off = _train(m_off, data, tmp_path, False, 30, batch_size=2, lr=1e-5)
     diffs = [abs(a - b) for a, b in zip(on, off, strict=True)]
     max_param = max(float((a - b).abs().max()) for a, b in zip(m_on.parameters(), m_off.parameters(), strict=True))
     print(f"\nbundled 30 steps: first loss {off[0]:.4f} -> last {off[-1]:.4f}; max |loss diff| {max(diffs):.2e}; "

@@ -5,6 +5,7 @@ folder that tokenfab's engine loads; bad input refused with a clear message and 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,29 @@ def test_merge_with_full_is_refused(tmp_path, capsys):
     rc = main(["finetune", "--data", str(_write(tmp_path / "t.jsonl", TRAIN)), "--output-dir", str(tmp_path / "o"),
                "--full", "--merge"])
     assert rc == 2 and "--merge" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_write_the_one_process_adapter(tmp_path, tiny_folder):
+    """`torchrun --nproc-per-node 2 -m tokenfab finetune` (FSDP2 over gloo): the outputs are gathered
+    onto rank 0 and equal a one-process run's."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    data = str(_write(tmp_path / "t.jsonl", TRAIN))
+    args = ["finetune", str(tiny_folder), "--data", data, "--max-steps", "2", "--batch-size", "4", "--lr", "1e-2",
+            "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tokenfab",
+                           *args, "--output-dir", str(tmp_path / "two"), "--merge"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert (tmp_path / "two" / "merged" / "model.safetensors").exists()
