@@ -1,0 +1,161 @@
+"""GPT-OSS: reasoning from the Harmony `analysis` channel, parsed by `openai-harmony`'s `StreamableParser`.
+
+GPT-OSS writes messages ``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>
+...<|return|>``; the generation prompt already ends with ``<|start|>assistant``. Channels map to:
+- ``analysis`` -> reasoning (also messages addressed to built-in tools such as ``browser.search``);
+- ``final`` and ``commentary`` without a recipient (preambles) -> content;
+- ``commentary`` with ``to=functions.NAME`` -> a tool call (handled by `tokenfab.server.tools.gpt_oss`).
+
+Harmony works on token ids, so the id path (`feed_ids`, `extract_ids`) is exact. The text path encodes text
+with special tokens allowed, holding back a partial ``<|...`` until it closes. A token sequence Harmony
+rejects (malformed output) is not an error: from there on the decoded text is returned as content.
+An unterminated message (cut by max_tokens) keeps its channel's kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfab.server.reasoning.base import (
+    CONTENT,
+    REASONING,
+    Piece,
+    PieceBuffer,
+    ReasoningParser,
+    ReasoningStream,
+    join_pieces,
+)
+from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+
+TOOL_CALL = "tool_call"
+FUNCTIONS_PREFIX = "functions."
+
+
+@dataclass
+class HarmonyEvent:
+    """One step of output: reasoning/content text, or (kind == TOOL_CALL) a call's name and argument delta."""
+
+    kind: str
+    text: str
+    call_index: int | None = None
+    name: str | None = None
+
+
+class HarmonyStream:
+    """Token-level Harmony parsing of one completion into `HarmonyEvent`s."""
+
+    def __init__(self) -> None:
+        from openai_harmony import Role, StreamableParser, StreamState
+
+        self._enc = harmony_encoding()
+        self._parser = StreamableParser(self._enc, Role.ASSISTANT, strict=True)
+        self._header_state = StreamState.HEADER
+        self._content_state = StreamState.CONTENT
+        self._header_ids: list[int] = []  # tokens of a header not yet closed by <|message|>
+        self._failed_ids: list[int] | None = None  # set once Harmony rejected a token
+        self._call_index = -1
+        self._in_call = False  # the current message is a function call already announced
+        self._msgs_done = 0
+
+    def _kind(self, channel: str | None, recipient: str | None) -> str:
+        if recipient and recipient.startswith(FUNCTIONS_PREFIX):
+            return TOOL_CALL
+        if channel == "analysis" or recipient:
+            return REASONING
+        return CONTENT
+
+    def feed_ids(self, ids: list[int]) -> list[HarmonyEvent]:
+        events: list[HarmonyEvent] = []
+        for tok in ids:
+            if self._failed_ids is not None:
+                self._failed_ids.append(tok)
+                continue
+            try:
+                self._parser.process(tok)
+            except Exception:  # openai_harmony.HarmonyError: from here on, plain content
+                self._failed_ids = [*self._header_ids, tok]
+                continue
+            p = self._parser
+            if p.state == self._header_state:
+                self._header_ids.append(tok)
+            else:
+                self._header_ids = []
+            if p.state != self._content_state:
+                self._in_call = False
+                continue
+            kind = self._kind(p.current_channel, p.current_recipient)
+            delta = p.last_content_delta or ""
+            if kind == TOOL_CALL:
+                if not self._in_call:
+                    self._in_call, self._call_index = True, self._call_index + 1
+                    name = p.current_recipient[len(FUNCTIONS_PREFIX) :]
+                    events.append(HarmonyEvent(TOOL_CALL, delta, self._call_index, name))
+                elif delta:
+                    events.append(HarmonyEvent(TOOL_CALL, delta, self._call_index))
+            elif delta:
+                events.append(HarmonyEvent(kind, delta))
+        return events
+
+    def finish(self) -> list[HarmonyEvent]:
+        """Flush: tokens Harmony rejected, or a header never closed (plain text with no channel), are content."""
+        ids = self._failed_ids if self._failed_ids is not None else self._header_ids
+        self._failed_ids, self._header_ids = None, []
+        return [HarmonyEvent(CONTENT, self._enc.decode(ids))] if ids else []
+
+
+def encode_harmony_text(text: str) -> list[int]:
+    """Token ids of output text that spells Harmony's special tokens literally."""
+    return harmony_encoding().encode(text, allowed_special="all")
+
+
+def _pieces(events: list[HarmonyEvent], out: PieceBuffer) -> list[Piece]:
+    for ev in events:
+        if ev.kind != TOOL_CALL:
+            out.add(ev.kind, ev.text)
+    return out.take()
+
+
+class GptOssReasoningStream(ReasoningStream):
+    def __init__(self) -> None:
+        self.h = HarmonyStream()
+        self.out = PieceBuffer()
+        self.text = ""  # held-back text that may end in a partial special token
+
+    def feed_ids(self, ids: list[int]) -> list[Piece]:
+        return _pieces(self.h.feed_ids(ids), self.out)
+
+    def feed(self, delta: str) -> list[Piece]:
+        self.text += delta
+        cut = self.text.rfind("<|")
+        if cut < 0 or "|>" in self.text[cut:]:
+            cut = len(self.text) - 1 if self.text.endswith("<") else -1
+        if cut >= 0:
+            ready, self.text = self.text[:cut], self.text[cut:]
+        else:
+            ready, self.text = self.text, ""
+        return self.feed_ids(encode_harmony_text(ready)) if ready else []
+
+    def finish(self) -> list[Piece]:
+        events = self.h.feed_ids(encode_harmony_text(self.text)) if self.text else []
+        self.text = ""
+        return _pieces(events + self.h.finish(), self.out)
+
+
+class GptOssReasoningParser(ReasoningParser):
+    """Reasoning = the analysis channel. `chat_template_kwargs` cannot switch GPT-OSS thinking off; its
+    amount is set by ``reasoning_effort`` in the system message when the prompt is rendered."""
+
+    name = "gpt_oss"
+
+    def __init__(self, *, chat_template_kwargs: dict | None = None, prompt: str | None = None) -> None:
+        pass
+
+    def extract_ids(self, ids: list[int]) -> tuple[str | None, str | None]:
+        s = GptOssReasoningStream()
+        return join_pieces(s.feed_ids(ids) + s.finish())
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        return self.extract_ids(encode_harmony_text(text))
+
+    def stream(self) -> GptOssReasoningStream:
+        return GptOssReasoningStream()
