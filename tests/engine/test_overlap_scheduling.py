@@ -26,10 +26,12 @@ def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[
     return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_calls: int = 20_000):
+def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_calls: int = 20_000,
+          logprobs: dict | None = None):
     """Run ``requests`` [(id, prompt, params)] to the end; ``arrive_at``: id -> the call before
     which it is added (others at the start); ``abort_after``: id -> abort once it has emitted that
-    many tokens. Returns id -> [(delta ids, delta text, finished, finish_reason, stop_reason)]."""
+    many tokens. Returns id -> [(delta ids, delta text, finished, finish_reason, stop_reason)];
+    ``logprobs`` (a dict) gets id -> the finished output's logprobs."""
     arrive_at = arrive_at or {}
     abort_after = abort_after or {}
     streams: dict[str, list] = {rid: [] for rid, _, _ in requests}
@@ -48,6 +50,8 @@ def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_cal
             streams[out.request_id].append(
                 (list(c.delta_token_ids), c.delta_text, out.finished, c.finish_reason, c.stop_reason))
             emitted[out.request_id] += len(c.delta_token_ids)
+            if out.finished and logprobs is not None:
+                logprobs[out.request_id] = c.logprobs
             if not out.finished and emitted[out.request_id] >= abort_after.get(out.request_id, 1 << 30):
                 engine.abort_request(out.request_id)
                 streams[out.request_id].append("aborted")
@@ -60,11 +64,27 @@ def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_cal
 
 
 def both(make_engine, requests, **kw):
-    """The streams of the synchronous and the overlapped engine, and the overlapped engine."""
-    sync = drive(make_engine(False), requests, **kw)
+    """The streams of the synchronous and the overlapped engine, and the overlapped engine. The
+    returned logprobs agree too: same tokens and ranks, values within float noise (the two engines'
+    batches differ: a step can hold a finished request's extra row)."""
+    lp_sync: dict = {}
+    lp_over: dict = {}
+    sync = drive(make_engine(False), requests, logprobs=lp_sync, **kw)
     eng = make_engine(True)
     assert isinstance(eng._overlap, OverlapScheduler) and eng.async_scheduling
-    return sync, drive(eng, requests, **kw), eng
+    over = drive(eng, requests, logprobs=lp_over, **kw)
+    assert lp_over.keys() == lp_sync.keys()
+    for rid, a in lp_sync.items():
+        b = lp_over[rid]
+        assert (a is None) == (b is None), rid
+        if a is not None:
+            assert len(a) == len(b) and all(x.keys() == y.keys() for x, y in zip(a, b)), rid
+            for x, y in zip(a, b):
+                for tok in x:
+                    assert x[tok].rank == y[tok].rank
+                    assert x[tok].logprob == pytest.approx(y[tok].logprob, abs=1e-4)
+    eng.test_logprobs = lp_over  # for the caller's own checks
+    return sync, over, eng
 
 
 def tokens_of(stream) -> list[int]:
@@ -112,10 +132,12 @@ def mixed_requests(prompts, outs):
         ("eos-min", prompts[8], P(temperature=0, max_tokens=10, min_tokens=3, logit_bias={2: 100.0})),
         ("seeded-stop", prompts[9], P(temperature=0.5, seed=3, max_tokens=12, ignore_eos=True,
                                       stop_token_ids=[outs[9][2], outs[9][5]])),
-        # host-side logits processing: these steps fall back to the synchronous path
+        # penalties read the generated tokens on the host: these steps fall back to the synchronous path
         ("penalty", prompts[10], P(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3,
                                    presence_penalty=0.5)),
+        # logprobs are read back with the tokens (overlapped)
         ("logprobs", prompts[11], P(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)),
+        ("logprobs-seeded", prompts[0], P(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=0)),
     ]
     for j in range(3):  # n > 1 as the LLM API makes it: one request per choice, seeds seed + j
         reqs.append((f"n{j}", prompts[5], P(temperature=1.0, seed=20 + j, max_tokens=6, ignore_eos=True)))
@@ -151,7 +173,7 @@ def test_same_streams_as_synchronous_engine(tiny, greedy_runs, config):
     assert ends["eos-min"] == "stop" and len(tokens_of(sync["eos-min"])) == 4
     assert [len(tokens_of(sync[r])) for r in ("max0", "max1", "max2")] == [0, 1, 2]
     assert len({tuple(tokens_of(sync[f"n{j}"])) for j in range(3)}) > 1  # different seeds, different draws
-    # only the penalty / logprobs requests' steps ran synchronously
+    # only the penalty request's steps ran synchronously
     assert 0 < eng._overlap.num_sync_steps < eng.num_steps
     if "num_kv_blocks" in config:
         assert eng.get_stats().num_preemptions_total > 0
@@ -160,11 +182,20 @@ def test_same_streams_as_synchronous_engine(tiny, greedy_runs, config):
 def test_greedy_only_never_falls_back(tiny, greedy_runs):
     prompts, outs = greedy_runs
     requests = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, min_tokens=2,
-                                            logit_bias={5: 1.0}))
+                                            logit_bias={5: 1.0}, logprobs=i % 3 or None))
                 for i, p in enumerate(prompts)]
     sync, over, eng = both(tiny, requests)
     assert over == sync
     assert eng._overlap.num_sync_steps == 0
+    lps = eng.test_logprobs
+    for i in range(len(prompts)):
+        k = i % 3 or None
+        if k is None:
+            assert lps[f"r{i}"] is None
+        else:  # the chosen token always, and the top k
+            toks = tokens_of(sync[f"r{i}"])
+            assert len(lps[f"r{i}"]) == 5 and all(t in e and len(e) in (k, k + 1)
+                                                  for t, e in zip(toks, lps[f"r{i}"]))
 
 
 def test_arrivals_and_aborts_mid_generation(tiny):

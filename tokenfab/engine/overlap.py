@@ -29,9 +29,10 @@ placeholder, which is the token the step is about to produce).
 
 Falls back to the synchronous step (resolving step N first, dropping sequences that finished
 there) when a scheduled request needs its latest token on the host before sampling: a grammar
-constraint, presence/frequency/repetition penalties, logprobs or prompt logprobs; and when the
-batched forward fails (the synchronous path isolates the failing request). ``logit_bias`` and
-``min_tokens`` need only counts and stay overlapped.
+constraint, presence/frequency/repetition penalties (they read the generated tokens), prompt
+logprobs; and when the batched forward fails (the synchronous path isolates the failing request).
+``logit_bias`` and ``min_tokens`` need only counts and stay overlapped; ``logprobs`` are computed
+on the device with the tokens and read back with them.
 
 On CPU the "device" is the CPU, so nothing really overlaps, but the control flow is the same one;
 that is what the tests check against the synchronous engine.
@@ -48,7 +49,7 @@ import torch
 
 from tokenfab.engine.errors import EngineDeadError
 from tokenfab.engine.outputs import RequestOutput
-from tokenfab.engine.sampler import sample_tokens
+from tokenfab.engine.sampler import logprob_rows, logprob_tensors, sample_tokens
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import Sequence
 
@@ -65,7 +66,7 @@ def needs_sync(seq: Sequence) -> bool:
     """Whether sampling this request's next token needs its latest token on the host."""
     p = seq.params
     return (
-        p.constraint is not None or p.logprobs is not None or seq.prompt_logprobs is not None
+        p.constraint is not None or seq.prompt_logprobs is not None
         or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.repetition_penalty != 1.0
     )
 
@@ -77,7 +78,14 @@ class PendingStep:
     tokens: torch.Tensor  # [R] int64 on the device: the next step's inputs come from here
     host: torch.Tensor  # [R] int64 on the CPU, filled by a non-blocking copy behind ``event``
     event: torch.cuda.Event | None
+    # (chosen logprob, rank, top values, top ids) per row on the CPU, when a row asked for logprobs
+    logprobs: tuple[torch.Tensor, ...] | None = None
     rows: dict[Sequence, int] = field(default_factory=dict)  # live sequence -> its row
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class OverlapScheduler:
@@ -121,6 +129,7 @@ class OverlapScheduler:
             if prev.event is not None:
                 prev.event.synchronize()
             tokens = prev.host.tolist()
+            lps = [t.tolist() for t in prev.logprobs] if prev.logprobs is not None else None
         except Exception as e:  # the device failed under step N: EngineDeadError when fatal
             eng._raise_if_fatal(e)
             raise
@@ -130,8 +139,11 @@ class OverlapScheduler:
             seq.token_ids.pop()
             if seq.is_finished:  # aborted meanwhile: nothing more is reported for it
                 continue
+            lp = None
+            if lps is not None and seq.params.logprobs is not None:
+                lp = logprob_rows([seq], *([t[row]] for t in lps))[0]
             try:
-                eng._append_token(seq, tokens[row], None)
+                eng._append_token(seq, tokens[row], lp)
             except Exception as e:
                 eng._raise_if_fatal(e)
                 eng._fail(seq, f"processing the sampled token failed: {e}")
@@ -183,15 +195,15 @@ class OverlapScheduler:
         if not sampled:
             return done, sample_mask, None
         tokens = sample_tokens(logits, sampled, eng.eos_token_ids)
+        lp = logprob_tensors(logits, tokens, sampled)  # of the raw logits (sample_tokens copies to edit)
         event = None
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
+        if tokens.device.type == "cuda":  # queued behind this step; the host waits on the event only
+            host, lp = _to_host(tokens), (tuple(_to_host(t) for t in lp) if lp is not None else None)
             event = torch.cuda.Event()
             event.record()
         else:
             host = tokens
-        return done, sample_mask, PendingStep(tokens, host, event)
+        return done, sample_mask, PendingStep(tokens, host, event, lp)
 
     def _advance(
         self, batch: ScheduledBatch, done: list[bool], sample_mask: list[bool], step: PendingStep | None,

@@ -126,20 +126,32 @@ def _needs_edit(s: Sequence) -> bool:
 def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
     """Pick one token per row of ``logits`` [R, V] (R == len(seqs)); ``logits`` is left as it was."""
     tokens = sample_tokens(logits, seqs, eos_ids)
-    token_list = tokens.tolist()
-    lp_out: list = [None] * len(seqs)
-    if any(s.params.logprobs is not None for s in seqs):
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        k = max(s.params.logprobs or 0 for s in seqs)
-        top_v, top_i = lp.topk(max(k, 1), dim=-1)
-        chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
-        ranks = (lp > chosen[:, None]).sum(-1) + 1
-        top_v, top_i, chosen, ranks = top_v.tolist(), top_i.tolist(), chosen.tolist(), ranks.tolist()
-        for i, s in enumerate(seqs):
-            n = s.params.logprobs
-            if n is not None:
-                lp_out[i] = (chosen[i], ranks[i], list(zip(top_i[i][:n], top_v[i][:n])))
-    return SamplerOutput(token_list, lp_out)
+    lp = logprob_tensors(logits, tokens, seqs)
+    return SamplerOutput(tokens.tolist(), logprob_rows(seqs, *(t.tolist() for t in lp)) if lp else [None] * len(seqs))
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> tuple | None:
+    """(chosen logprob [R], its rank [R], top values [R, k], top ids [R, k]) of the raw logits, on
+    the device; None when no row asked for logprobs."""
+    if all(s.params.logprobs is None for s in seqs):
+        return None
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    k = max(s.params.logprobs or 0 for s in seqs)
+    top_v, top_i = lp.topk(max(k, 1), dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).squeeze(1)
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    return chosen, ranks, top_v, top_i
+
+
+def logprob_rows(seqs: list[Sequence], chosen: list, ranks: list, top_v: list, top_i: list) -> list:
+    """``logprob_tensors`` read back (as lists) -> one (chosen, rank, [(token, logprob), ...]) per row
+    that asked for logprobs, None for the others."""
+    out: list = [None] * len(seqs)
+    for i, s in enumerate(seqs):
+        n = s.params.logprobs
+        if n is not None:
+            out[i] = (chosen[i], ranks[i], list(zip(top_i[i][:n], top_v[i][:n])))
+    return out
 
 
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
