@@ -1,0 +1,240 @@
+"""Reasoning parsers (tokenfab/server/reasoning): fixed model-format texts, streaming reassembly, and a
+template round trip per family (tiny Jinja templates written from each family's published chat template:
+the generation prompt and the layout of an assistant turn with reasoning)."""
+
+from __future__ import annotations
+
+import random
+
+import jinja2
+import pytest
+
+from tokenfab.server.reasoning import (
+    REASONING_PARSERS,
+    get_reasoning_parser,
+    join_pieces,
+    reasoning_parser_for_model,
+)
+from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+
+THINK_PARSERS = ["deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2"]
+ON = {"deepseek_r1": {}, "deepseek_v3": {"thinking": True}, "qwen3": {"enable_thinking": True},
+      "glm45": {"enable_thinking": True}, "kimi_k2": {"thinking": True}}
+OFF = {"deepseek_v3": {"thinking": False}, "qwen3": {"enable_thinking": False},
+       "glm45": {"enable_thinking": False}, "kimi_k2": {"thinking": False}}
+
+
+def stream_chunks(parser, text: str, sizes: list[int]) -> tuple[str | None, str | None]:
+    """Feed `text` cut into pieces of the given sizes (cycled); return the joined (reasoning, content)."""
+    s, pieces, i, k = parser.stream(), [], 0, 0
+    while i < len(text):
+        n = sizes[k % len(sizes)]
+        pieces += s.feed(text[i : i + n])
+        i, k = i + n, k + 1
+    pieces += s.finish()
+    for kind, part in pieces:
+        assert kind in ("reasoning", "content") and part
+    return join_pieces(pieces)
+
+
+def check(parser, text: str, expected: tuple[str | None, str | None]) -> None:
+    assert parser.extract(text) == expected
+    assert stream_chunks(parser, text, [1]) == expected  # 1-character deltas
+    rng = random.Random(len(text))
+    for _ in range(5):
+        assert stream_chunks(parser, text, [rng.randint(1, 9) for _ in range(7)]) == expected
+
+
+# ---------------------------------------------------------------- think-tag families on fixed texts
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
+def test_reasoning_then_content(name):
+    p = get_reasoning_parser(name, chat_template_kwargs=ON[name])
+    check(p, "<think>\nThe user greets me; 2+2=4 ≠ 5.\n</think>\n\nHello, 世界!", (
+        "The user greets me; 2+2=4 ≠ 5.", "Hello, 世界!"))
+    # The opening tag already in the prompt (DeepSeek-R1/V3.1 and Kimi K2.5 templates): output starts inside.
+    p = get_reasoning_parser(name, chat_template_kwargs=ON[name], prompt="<|user|>hi<|assistant|><think>\n")
+    check(p, "Short thought.</think>Answer.", ("Short thought.", "Answer."))
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
+def test_no_reasoning(name):
+    """A block closed by the template (prompt ends with </think>) or never opened: all content, verbatim."""
+    p = get_reasoning_parser(name, chat_template_kwargs=ON[name], prompt="<|assistant|><think></think>")
+    check(p, "  Just an answer <b>bold</b>.", (None, "  Just an answer <b>bold</b>."))
+    check(get_reasoning_parser(name, prompt="<|assistant|>"), "Plain < answer >", (None, "Plain < answer >"))
+    check(get_reasoning_parser(name, prompt="<|assistant|>"), "", (None, None))
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
+def test_unterminated_reasoning_is_reasoning(name):
+    """Cut off (max_tokens) inside the block: everything is reasoning, in every family (stated convention)."""
+    p = get_reasoning_parser(name, chat_template_kwargs=ON[name])
+    check(p, "<think>I was still thinking about </thi", ("I was still thinking about </thi", None))
+    p = get_reasoning_parser(name, chat_template_kwargs=ON[name], prompt="<think>")
+    check(p, "still thinking <", ("still thinking <", None))
+
+
+@pytest.mark.parametrize("name", sorted(OFF))
+def test_thinking_switched_off(name):
+    """Thinking off via chat_template_kwargs: the output is content even if it spells think tags."""
+    p = get_reasoning_parser(name, chat_template_kwargs=OFF[name])
+    text = "<think>not parsed</think> answer"
+    check(p, text, (None, text))
+    on = get_reasoning_parser(name, chat_template_kwargs=ON[name])
+    assert on.extract(text) == ("not parsed", "answer")
+
+
+def test_deepseek_v3_thinks_only_when_asked():
+    """DeepSeek-V3.1's `thinking` defaults to off, so plain V3/GigaChat3 output is never taken for reasoning."""
+    assert get_reasoning_parser("deepseek_v3").extract("a</think>b") == (None, "a</think>b")
+    assert get_reasoning_parser("deepseek_v3", chat_template_kwargs={"thinking": True}).extract("a</think>b") == (
+        "a", "b")
+
+
+def test_tool_call_after_reasoning_is_in_content_only():
+    """A call the model only considered while thinking stays in reasoning; the real one is in content."""
+    p = get_reasoning_parser("qwen3")
+    text = ('<think>Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.</think>\n\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')
+    reasoning, content = p.extract(text)
+    assert reasoning == 'Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.'
+    assert content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+    check(p, text, (reasoning, content))
+
+
+def test_kimi_tool_section_ends_reasoning():
+    """Kimi K2 may go from thinking straight into its tool-call section; the section is content."""
+    p = get_reasoning_parser("kimi_k2", prompt="<|im_assistant|>assistant<|im_middle|><think>")
+    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    check(p, "I need the weather." + call, ("I need the weather.", call))
+
+
+def test_registry():
+    assert set(REASONING_PARSERS) == {*THINK_PARSERS, "gpt_oss"}
+    assert reasoning_parser_for_model("qwen3_moe") == "qwen3"
+    assert reasoning_parser_for_model("glm4_moe") == "glm45"
+    assert reasoning_parser_for_model("kimi_k2") == "kimi_k2"
+    assert reasoning_parser_for_model("deepseek_v3") == "deepseek_v3"
+    assert reasoning_parser_for_model("gpt_oss") == "gpt_oss"
+    assert reasoning_parser_for_model("llama") is None
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        get_reasoning_parser("nope")
+
+
+# ---------------------------------------------------------------- template round trip
+
+# Each: the generation prompt and an assistant turn with `reasoning_content`, as the family's published template
+# writes them (the turn layout is what the model is trained to generate after the prompt).
+TEMPLATES = {
+    "qwen3": (  # Qwen3: model writes <think>; enable_thinking=false prefills an empty block
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and m.reasoning_content %}<think>\n{{ m.reasoning_content.strip('\n') }}\n"
+        "</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}",
+        "<|im_end|>\n"),
+    "deepseek_r1": (  # R1-0528: the generation prompt opens the block
+        "<｜begin▁of▁sentence｜>{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+        "{% else %}<｜Assistant｜><think>\n{{ m.reasoning_content }}\n</think>\n\n{{ m.content }}"
+        "<｜end▁of▁sentence｜>{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n"
+        "{% endif %}",
+        "<｜end▁of▁sentence｜>"),
+    "deepseek_v3": (  # V3.1: <think> when thinking, </think> otherwise
+        "<｜begin▁of▁sentence｜>{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+        "{% else %}<｜Assistant｜>{% if thinking %}<think>{{ m.reasoning_content }}{% endif %}</think>"
+        "{{ m.content }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>"
+        "{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}",
+        "<｜end▁of▁sentence｜>"),
+    "glm45": (  # GLM-4.5: model writes <think>; enable_thinking=false prefills <think></think>
+        "[gMASK]<sop>{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}{% else %}"
+        "<|assistant|>\n<think>{{ m.reasoning_content.strip() }}</think>\n{{ m.content.strip() }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ '\n<think></think>' if (enable_thinking "
+        "is defined and not enable_thinking) else '' }}{% endif %}",
+        ""),
+    "kimi_k2": (  # Kimi K2.5: the prompt opens <think> when thinking, writes <think></think> when not
+        "{% for m in messages %}{% if m.role == 'user' %}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+        "{% else %}<|im_assistant|>assistant<|im_middle|><think>{{ m.reasoning_content }}</think>{{ m.content }}"
+        "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}{% endif %}",
+        "<|im_end|>"),
+}
+
+
+# DeepSeek-R1's template has no switch to turn thinking off, so it is round-tripped with thinking only.
+@pytest.mark.parametrize(("name", "thinking"), [(n, True) for n in THINK_PARSERS] + [(n, False) for n in OFF])
+def test_template_round_trip(name, thinking):
+    kwargs = ON[name] if thinking else OFF[name]
+    template, end_of_turn = TEMPLATES[name]
+    tmpl = jinja2.Environment().from_string(template)
+    user = [{"role": "user", "content": "What is 6 times 7?"}]
+    reply = {"role": "assistant", "content": "It is 42.",
+             "reasoning_content": "6 * 7 = 42, line one.\nLine two." if thinking else ""}
+    prompt = tmpl.render(messages=user, add_generation_prompt=True, **kwargs)
+    full = tmpl.render(messages=[*user, reply], add_generation_prompt=False, **kwargs)
+    if not thinking:  # what the model writes after a prompt that closed the block: the answer only
+        full = prompt + reply["content"] + end_of_turn
+    assert full.startswith(prompt) and full.endswith(end_of_turn)
+    completion = full[len(prompt) : len(full) - len(end_of_turn)]
+    parser = get_reasoning_parser(name, chat_template_kwargs=kwargs, prompt=prompt)
+    expected = (reply["reasoning_content"] or None, reply["content"])
+    check(parser, completion, expected)
+    # Without the prompt the family's default template behaviour gives the same split.
+    assert get_reasoning_parser(name, chat_template_kwargs=kwargs).extract(completion) == expected
+
+
+# ---------------------------------------------------------------- GPT-OSS (Harmony)
+
+def _harmony_available() -> str | None:
+    try:
+        ensure_harmony_vocab()
+        return None
+    except HarmonyVocabUnavailable as e:
+        return str(e)
+
+
+harmony = pytest.mark.skipif(_harmony_available() is not None, reason=f"no offline o200k: {_harmony_available()}")
+
+
+@harmony
+def test_gpt_oss_channels():
+    p = get_reasoning_parser("gpt_oss")
+    text = ("<|channel|>analysis<|message|>User asks 6*7. 答え=42.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>It is 42 ✓.<|return|>")
+    check(p, text, ("User asks 6*7. 答え=42.", "It is 42 ✓."))
+    # A preamble on commentary is content; a function call is neither (the GPT-OSS tool parser takes it).
+    text = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            '<|message|>{"city": "Paris"}<|call|>')
+    check(p, text, ("Need weather.", "Checking."))
+    check(p, "<|channel|>analysis<|message|>cut off mid-tho", ("cut off mid-tho", None))
+    check(p, "no harmony at all <|end|> here", (None, "no harmony at all <|end|> here"))
+    check(p, "<|channel|>final<|message|>ok<|end|>junk after", (None, "okjunk after"))
+
+
+@harmony
+def test_gpt_oss_round_trip_through_harmony():
+    """Render an assistant reply with openai-harmony's own renderer, then parse the token ids back."""
+    from openai_harmony import Conversation, Message, Role
+
+    from tokenfab.server.reasoning.gpt_oss import GptOssReasoningParser
+    from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+
+    enc = harmony_encoding()
+    conv = Conversation.from_messages([Message.from_role_and_content(Role.USER, "What is 6 times 7?")])
+    prompt = enc.render_conversation_for_completion(conv, Role.ASSISTANT)
+    reply = [Message.from_role_and_content(Role.ASSISTANT, "6*7=42.").with_channel("analysis"),
+             Message.from_role_and_content(Role.ASSISTANT, "It is 42.").with_channel("final")]
+    # render_conversation_for_training drops analysis before a final answer, so render message by message.
+    reply_ids = [tok for m in reply for tok in enc.render(m)]
+    head = enc.encode("<|start|>assistant", allowed_special="all")  # the prompt's tail, opening the reply
+    assert prompt[-len(head) :] == head and reply_ids[: len(head)] == head
+    completion = reply_ids[len(head) :]
+    p = GptOssReasoningParser()
+    assert p.extract_ids(completion) == ("6*7=42.", "It is 42.")
+    s, pieces = p.stream(), []
+    for tok in completion:
+        pieces += s.feed_ids([tok])
+    assert join_pieces(pieces + s.finish()) == ("6*7=42.", "It is 42.")
