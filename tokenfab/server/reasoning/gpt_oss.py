@@ -28,12 +28,14 @@ from tokenfab.server.reasoning.base import (
 from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
 
 TOOL_CALL = "tool_call"
+TOOL_CALL_END = "tool_call_end"
 FUNCTIONS_PREFIX = "functions."
 
 
 @dataclass
 class HarmonyEvent:
-    """One step of output: reasoning/content text, or (kind == TOOL_CALL) a call's name and argument delta."""
+    """One step of output: reasoning/content text; (TOOL_CALL) a call's name (first event) and argument delta;
+    (TOOL_CALL_END) the call's message ended (with <|call|> or <|end|>)."""
 
     kind: str
     text: str
@@ -81,6 +83,8 @@ class HarmonyStream:
             else:
                 self._header_ids = []
             if p.state != self._content_state:
+                if self._in_call:
+                    events.append(HarmonyEvent(TOOL_CALL_END, "", self._call_index))
                 self._in_call = False
                 continue
             kind = self._kind(p.current_channel, p.current_recipient)
@@ -108,23 +112,17 @@ def encode_harmony_text(text: str) -> list[int]:
     return harmony_encoding().encode(text, allowed_special="all")
 
 
-def _pieces(events: list[HarmonyEvent], out: PieceBuffer) -> list[Piece]:
-    for ev in events:
-        if ev.kind != TOOL_CALL:
-            out.add(ev.kind, ev.text)
-    return out.take()
+class HarmonyTextStream:
+    """`HarmonyStream` fed with text deltas: encodes them, holding back a partial special token ``<|...``."""
 
-
-class GptOssReasoningStream(ReasoningStream):
     def __init__(self) -> None:
         self.h = HarmonyStream()
-        self.out = PieceBuffer()
-        self.text = ""  # held-back text that may end in a partial special token
+        self.text = ""
 
-    def feed_ids(self, ids: list[int]) -> list[Piece]:
-        return _pieces(self.h.feed_ids(ids), self.out)
+    def feed_ids(self, ids: list[int]) -> list[HarmonyEvent]:
+        return self.h.feed_ids(ids)
 
-    def feed(self, delta: str) -> list[Piece]:
+    def feed(self, delta: str) -> list[HarmonyEvent]:
         self.text += delta
         cut = self.text.rfind("<|")
         if cut < 0 or "|>" in self.text[cut:]:
@@ -133,12 +131,33 @@ class GptOssReasoningStream(ReasoningStream):
             ready, self.text = self.text[:cut], self.text[cut:]
         else:
             ready, self.text = self.text, ""
-        return self.feed_ids(encode_harmony_text(ready)) if ready else []
+        return self.h.feed_ids(encode_harmony_text(ready)) if ready else []
 
-    def finish(self) -> list[Piece]:
+    def finish(self) -> list[HarmonyEvent]:
         events = self.h.feed_ids(encode_harmony_text(self.text)) if self.text else []
         self.text = ""
-        return _pieces(events + self.h.finish(), self.out)
+        return events + self.h.finish()
+
+
+class GptOssReasoningStream(ReasoningStream):
+    def __init__(self) -> None:
+        self.s = HarmonyTextStream()
+        self.out = PieceBuffer()
+
+    def _pieces(self, events: list[HarmonyEvent]) -> list[Piece]:
+        for ev in events:
+            if ev.kind in (REASONING, CONTENT):
+                self.out.add(ev.kind, ev.text)
+        return self.out.take()
+
+    def feed_ids(self, ids: list[int]) -> list[Piece]:
+        return self._pieces(self.s.feed_ids(ids))
+
+    def feed(self, delta: str) -> list[Piece]:
+        return self._pieces(self.s.feed(delta))
+
+    def finish(self) -> list[Piece]:
+        return self._pieces(self.s.finish())
 
 
 class GptOssReasoningParser(ReasoningParser):

@@ -1,0 +1,130 @@
+"""GPT-OSS tool calls through Harmony (tokenfab/server/tools/gpt_oss.py), on texts written in the Harmony
+format and on token ids rendered by openai-harmony itself."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+
+
+def _vocab_missing() -> str | None:
+    try:
+        ensure_harmony_vocab()
+        return None
+    except HarmonyVocabUnavailable as e:
+        return str(e)
+
+
+pytestmark = pytest.mark.skipif(_vocab_missing() is not None, reason=f"no offline o200k: {_vocab_missing()}")
+
+ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
+ARGS = '{"city": "Zürich 🌧", "options": {"units": ["c", "f"], "days": 3, "nested": {"a": null}}}'
+CALL = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|call|>"
+
+
+def _calls(parsed):
+    return [(c.index, c.name, c.arguments) for c in parsed.tool_calls]
+
+
+def _streamed(text: str, sizes: list[int]):
+    from tokenfab.server.tools.gpt_oss import GptOssToolParser, collect
+
+    s, events, i, k = GptOssToolParser().stream(), [], 0, 0
+    while i < len(text):
+        n = sizes[k % len(sizes)]
+        events += s.feed(text[i : i + n])
+        i, k = i + n, k + 1
+    return collect(events + s.finish())
+
+
+def check(text: str, reasoning, content, calls) -> None:
+    from tokenfab.server.tools.gpt_oss import GptOssToolParser
+
+    for parsed in [GptOssToolParser().extract(text), _streamed(text, [1]),
+                   _streamed(text, [random.Random(7).randint(1, 9) for _ in range(11)])]:
+        assert (parsed.reasoning, parsed.content, _calls(parsed)) == (reasoning, content, calls)
+
+
+def test_one_call_after_reasoning_with_unicode_nested_arguments():
+    check(ANALYSIS + CALL, "The user wants the weather.", None, [(0, "get_weather", ARGS)])
+    assert json.loads(ARGS)["options"]["nested"] == {"a": None}
+
+
+def test_content_before_the_call():
+    """A preamble on the commentary channel is content; the call follows it."""
+    text = ANALYSIS + "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL
+    check(text, "The user wants the weather.", "Let me check.", [(0, "get_weather", ARGS)])
+
+
+def test_parallel_calls():
+    second = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "Europe/Zurich"}<|call|>'
+    check(ANALYSIS + CALL + "<|start|>assistant" + second, "The user wants the weather.", None,
+          [(0, "get_weather", ARGS), (1, "get_time", '{"tz": "Europe/Zurich"}')])
+
+
+def test_call_cut_off_mid_arguments_is_content():
+    text = ANALYSIS + CALL[: CALL.index('"days"')]
+    check(text, "The user wants the weather.", ARGS[: ARGS.index('"days"')], [])
+
+
+def test_malformed_arguments_are_content():
+    text = ANALYSIS + "<|channel|>commentary to=functions.get_weather<|message|>city=Paris<|call|>"
+    check(text, "The user wants the weather.", "city=Paris", [])
+
+
+def test_final_answer_without_tools():
+    check(ANALYSIS + "<|channel|>final<|message|>It rains.<|return|>", "The user wants the weather.",
+          "It rains.", [])
+
+
+def test_round_trip_conversation_with_tools_and_results():
+    """System (reasoning effort) + developer (tools) + user + call + tool result, rendered by openai-harmony;
+    the model's next reply (analysis, then a second call) rendered the same way parses back from token ids."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+    from tokenfab.server.tools.gpt_oss import GptOssToolParser, collect
+
+    enc = harmony_encoding()
+    tool = ToolDescription.new("get_weather", "Weather", parameters={
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+
+    def call(args: str) -> Message:
+        return (Message.from_role_and_content(Role.ASSISTANT, args).with_channel("commentary")
+                .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"))
+
+    history = [
+        Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.LOW)),
+        Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_function_tools([tool])),
+        Message.from_role_and_content(Role.USER, "Weather in Zürich, then Bern?"),
+        call('{"city": "Zürich"}'),
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), '{"temp": 3}')
+        .with_channel("commentary").with_recipient("assistant"),
+    ]
+    prompt = enc.render_conversation_for_completion(Conversation.from_messages(history), Role.ASSISTANT)
+    assert "get_weather" in enc.decode(prompt) and enc.decode(prompt).endswith("<|start|>assistant")
+    reply = [Message.from_role_and_content(Role.ASSISTANT, "Now Bern.").with_channel("analysis"),
+             call('{"city": "Bern"}')]
+    head = enc.encode("<|start|>assistant", allowed_special="all")
+    ids = [t for m in reply for t in enc.render(m)][len(head) :]
+    expected = ("Now Bern.", None, [(0, "get_weather", '{"city": "Bern"}')])
+    parsed = GptOssToolParser().extract_ids(ids)
+    assert (parsed.reasoning, parsed.content, _calls(parsed)) == expected
+    s, events = GptOssToolParser().stream(), []
+    for t in ids:
+        events += s.feed_ids([t])
+    parsed = collect(events + s.finish())
+    assert (parsed.reasoning, parsed.content, _calls(parsed)) == expected
