@@ -11,6 +11,7 @@ did not keep.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -36,6 +37,7 @@ def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_cal
     abort_after = abort_after or {}
     streams: dict[str, list] = {rid: [] for rid, _, _ in requests}
     emitted = dict.fromkeys(streams, 0)
+    requests = [(rid, prompt, fresh(params)) for rid, prompt, params in requests]
     later = [r for r in requests if r[0] in arrive_at]
     for rid, prompt, params in requests:
         if rid not in arrive_at:
@@ -61,6 +63,31 @@ def drive(engine: LLMEngine, requests, arrive_at=None, abort_after=None, max_cal
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
     return streams
+
+
+def fresh(params: SamplingParams) -> SamplingParams:
+    """Each engine gets its own constraint state."""
+    if params.constraint is None:
+        return params
+    return dataclasses.replace(params, constraint=EvenTokens(params.constraint.length))
+
+
+class EvenTokens:
+    """A toy grammar for the tiny model: even token ids only; complete after ``length`` tokens."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.accepted: list[int] = []
+
+    def mask_logits(self, row: torch.Tensor) -> None:
+        row[1::2] = float("-inf")
+
+    def accept_token(self, token: int) -> None:
+        assert token % 2 == 0
+        self.accepted.append(token)
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
 
 
 def both(make_engine, requests, **kw):
@@ -132,9 +159,13 @@ def mixed_requests(prompts, outs):
         ("eos-min", prompts[8], P(temperature=0, max_tokens=10, min_tokens=3, logit_bias={2: 100.0})),
         ("seeded-stop", prompts[9], P(temperature=0.5, seed=3, max_tokens=12, ignore_eos=True,
                                       stop_token_ids=[outs[9][2], outs[9][5]])),
-        # penalties read the generated tokens on the host: these steps fall back to the synchronous path
+        # penalties count step N's token from the device tensor (overlapped)
         ("penalty", prompts[10], P(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3,
-                                   presence_penalty=0.5)),
+                                   presence_penalty=0.5, frequency_penalty=0.7)),
+        ("penalty-seeded", prompts[1], P(temperature=1.0, seed=4, max_tokens=8, ignore_eos=True,
+                                         repetition_penalty=2.0, frequency_penalty=1.5)),
+        # a grammar's matcher needs step N's token on the host: its steps run synchronously
+        ("grammar", prompts[2], P(temperature=0, max_tokens=10, ignore_eos=True, constraint=EvenTokens(4))),
         # logprobs are read back with the tokens (overlapped)
         ("logprobs", prompts[11], P(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)),
         ("logprobs-seeded", prompts[0], P(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=0)),
@@ -173,16 +204,20 @@ def test_same_streams_as_synchronous_engine(tiny, greedy_runs, config):
     assert ends["eos-min"] == "stop" and len(tokens_of(sync["eos-min"])) == 4
     assert [len(tokens_of(sync[r])) for r in ("max0", "max1", "max2")] == [0, 1, 2]
     assert len({tuple(tokens_of(sync[f"n{j}"])) for j in range(3)}) > 1  # different seeds, different draws
-    # only the penalty request's steps ran synchronously
+    assert ends["grammar"] == "stop" and len(tokens_of(sync["grammar"])) == 4
+    assert all(t % 2 == 0 for t in tokens_of(sync["grammar"]))
+    # only the grammar request's steps ran synchronously
     assert 0 < eng._overlap.num_sync_steps < eng.num_steps
     if "num_kv_blocks" in config:
         assert eng.get_stats().num_preemptions_total > 0
 
 
-def test_greedy_only_never_falls_back(tiny, greedy_runs):
+def test_bias_penalties_min_tokens_logprobs_never_fall_back(tiny, greedy_runs):
     prompts, outs = greedy_runs
-    requests = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, min_tokens=2,
-                                            logit_bias={5: 1.0}, logprobs=i % 3 or None))
+    requests = [(f"r{i}", p, SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=5, ignore_eos=True,
+                                            min_tokens=2, logit_bias={5: 1.0}, logprobs=i % 3 or None,
+                                            repetition_penalty=1.0 + 0.2 * (i % 4), presence_penalty=0.3 * (i % 3),
+                                            frequency_penalty=0.4 * (i % 2)))
                 for i, p in enumerate(prompts)]
     sync, over, eng = both(tiny, requests)
     assert over == sync

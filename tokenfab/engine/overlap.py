@@ -28,11 +28,12 @@ Outputs therefore arrive one call later than in the synchronous engine; the toke
 placeholder, which is the token the step is about to produce).
 
 Falls back to the synchronous step (resolving step N first, dropping sequences that finished
-there) when a scheduled request needs its latest token on the host before sampling: a grammar
-constraint, presence/frequency/repetition penalties (they read the generated tokens), prompt
-logprobs; and when the batched forward fails (the synchronous path isolates the failing request).
-``logit_bias`` and ``min_tokens`` need only counts and stay overlapped; ``logprobs`` are computed
-on the device with the tokens and read back with them.
+there) when a scheduled request needs its latest token on the host: a grammar constraint (its
+matcher must accept step N's token before it masks step N+1) or prompt logprobs (the scoring
+path); and when the batched forward fails (the synchronous path isolates the failing request).
+``logit_bias`` and ``min_tokens`` need only counts; penalties get step N's token from the device
+tensor (``sample_tokens(pending=...)``); ``logprobs`` are computed on the device with the tokens
+and read back with them: all stay overlapped.
 
 On CPU the "device" is the CPU, so nothing really overlaps, but the control flow is the same one;
 that is what the tests check against the synchronous engine.
@@ -63,12 +64,14 @@ PLACEHOLDER = -1
 
 
 def needs_sync(seq: Sequence) -> bool:
-    """Whether sampling this request's next token needs its latest token on the host."""
+    """Whether this request's step needs its latest token on the host: a grammar constraint
+    advances its matcher with it; prompt logprobs take the scoring path."""
+    return seq.params.constraint is not None or seq.prompt_logprobs is not None
+
+
+def _penalized(seq: Sequence) -> bool:
     p = seq.params
-    return (
-        p.constraint is not None or seq.prompt_logprobs is not None
-        or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.repetition_penalty != 1.0
-    )
+    return bool(p.presence_penalty) or bool(p.frequency_penalty) or p.repetition_penalty != 1.0
 
 
 @dataclass
@@ -194,7 +197,13 @@ class OverlapScheduler:
         sampled = [s for s, m in zip(seqs, sample_mask) if m]
         if not sampled:
             return done, sample_mask, None
-        tokens = sample_tokens(logits, sampled, eng.eos_token_ids)
+        pending = None
+        if prev is not None and any(_penalized(s) for s in sampled):
+            # penalties count the token each row sampled at step N, still on the device
+            src_t = torch.tensor([prev.rows.get(s, -1) for s in sampled], dtype=torch.int64)
+            src_t = src_t.to(prev.tokens.device, non_blocking=True)
+            pending = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), -1)
+        tokens = sample_tokens(logits, sampled, eng.eos_token_ids, pending)
         lp = logprob_tensors(logits, tokens, sampled)  # of the raw logits (sample_tokens copies to edit)
         event = None
         if tokens.device.type == "cuda":  # queued behind this step; the host waits on the event only

@@ -71,23 +71,38 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _known(tokens: list[int]) -> list[int]:
+    """Without a trailing not-yet-read token (the overlap scheduler's negative placeholder)."""
+    return tokens[:-1] if tokens and tokens[-1] < 0 else tokens
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's order: first the repetition penalty on prompt + generated tokens (divide positive
     logits, multiply negative ones, as in CTRL / transformers), then the frequency and presence
-    penalties on generated tokens (OpenAI's definition). In place; returns logits."""
+    penalties on generated tokens (OpenAI's definition). In place; returns logits.
+
+    ``pending`` [R] (overlap scheduling): per row, its latest generated token, still on the device
+    (its place in ``token_ids`` holds a placeholder), or -1."""
     dev, v = logits.device, logits.shape[1]
     pres = [s.params.presence_penalty for s in seqs]
     freq = [s.params.frequency_penalty for s in seqs]
     rep = [s.params.repetition_penalty for s in seqs]
+    # the pending token's column, or the padding column v
+    extra = None if pending is None else torch.where(pending >= 0, pending, v).view(-1, 1)
     if any(r != 1.0 for r in rep):
-        toks = _pad_tokens([s.token_ids for s in seqs], dev, v)
-        seen = torch.zeros(len(seqs), v + 1, dtype=torch.bool, device=dev).scatter_(1, toks, True)[:, :v]
+        toks = _pad_tokens([_known(s.token_ids) for s in seqs], dev, v)
+        seen = torch.zeros(len(seqs), v + 1, dtype=torch.bool, device=dev).scatter_(1, toks, True)
+        if extra is not None:
+            seen.scatter_(1, extra, True)
+        seen = seen[:, :v]
         r = torch.tensor(rep, device=dev)[:, None]
         penalized = torch.where(logits > 0, logits / r, logits * r)
         logits.copy_(torch.where(seen, penalized, logits))
     if any(pres) or any(freq):
-        out = _pad_tokens([s.output_token_ids for s in seqs], dev, v)
+        out = _pad_tokens([_known(s.output_token_ids) for s in seqs], dev, v)
         counts = torch.zeros(len(seqs), v + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float))
+        if extra is not None:
+            counts.scatter_add_(1, extra, torch.ones(len(seqs), 1, device=dev))
         counts = counts[:, :v]
         logits -= torch.tensor(freq, device=dev)[:, None] * counts
         logits -= torch.tensor(pres, device=dev)[:, None] * (counts > 0).float()
@@ -154,15 +169,18 @@ def logprob_rows(seqs: list[Sequence], chosen: list, ranks: list, top_v: list, t
     return out
 
 
-def sample_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int], pending: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The drawn token ids [R] int64, left on the logits' device (no host sync here, except for
-    grammar-constrained rows: the overlap scheduler runs those synchronously anyway)."""
+    grammar-constrained rows: the overlap scheduler runs those synchronously anyway).
+    ``pending``: see ``apply_penalties``."""
     dev = logits.device
     v = logits.shape[1]
     if any(_needs_edit(s) for s in seqs):
         logits = logits.clone()  # edits below are in place; the caller's tensor stays raw
         apply_logit_bias(logits, seqs)
-        logits = apply_penalties(logits, seqs)
+        logits = apply_penalties(logits, seqs, pending)
         constrained = [i for i, s in enumerate(seqs) if s.params.constraint is not None]
         for i in constrained:
             seqs[i].params.constraint.mask_logits(logits[i])
