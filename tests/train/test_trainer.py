@@ -155,3 +155,18 @@ def test_lora_trains_only_the_adapter(tmp_path):
         key = name if name in after else name.replace(".weight", ".base.weight")
         if key in after:
             torch.testing.assert_close(after[key].detach(), value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_gradient_checkpointing_changes_nothing(tmp_path, mode):
+    if mode == "lora" and not _lora_available():
+        pytest.fail("tokenfab.train.lora has not landed")
+    data = toy_examples(8, seed=6)
+    runs = []
+    for ckpt in (False, True):
+        model = tiny_model()
+        trainer = Trainer(model, None, data, None, _config(tmp_path / f"g{int(ckpt)}", full=mode == "full",
+                                                           gradient_checkpointing=ckpt, epochs=1))
+        assert model.model.gradient_checkpointing == ckpt and model.model.layers[0].gradient_checkpointing == ckpt
+        runs.append(trainer.train().losses)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6)

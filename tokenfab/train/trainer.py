@@ -120,7 +120,7 @@ class Trainer:
         self.base_model = model
         self._prepare_trainable(model)
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(model)
         if config.fp8:
             _convert_fp8(model, config.fp8_recipe)
         self.model = dist_util.shard_model(model) if self.world > 1 else model
@@ -291,6 +291,15 @@ class Trainer:
                  "config": asdict(self.config)}
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, state, self.rank, self.sharded)
         return path
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    """HF's activation (gradient) checkpointing of every decoder layer, non-reentrant."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _progress(total: int, initial: int, enabled: bool):
