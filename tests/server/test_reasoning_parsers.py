@@ -238,3 +238,25 @@ def test_gpt_oss_round_trip_through_harmony():
     for tok in completion:
         pieces += s.feed_ids([tok])
     assert join_pieces(pieces + s.finish()) == ("6*7=42.", "It is 42.")
+
+
+@harmony
+def test_gpt_oss_state_tracking_matches_harmony():
+    """HarmonyStream follows header/content/between from special tokens (Harmony's own `state` is quadratic);
+    it must agree with `StreamableParser.state` token by token, malformed sequences included."""
+    from openai_harmony import StreamState
+
+    from tokenfab.server.reasoning.gpt_oss import HarmonyStream, encode_harmony_text
+
+    names = {StreamState.HEADER: "header", StreamState.CONTENT: "content", StreamState.EXPECT_START: "between"}
+    texts = ["<|channel|>analysis<|message|>a <|start|> b<|end|><|start|>assistant<|channel|>final<|message|>"
+             "c<|message|>d<|return|>",
+             "garbage <|end|> <|message|>x<|call|><|start|>assistant to=functions.f<|channel|>commentary"
+             "<|message|>{}<|call|>"]
+    for text in texts:
+        h = HarmonyStream()
+        for tok in encode_harmony_text(text):
+            h.feed_ids([tok])
+            if h._failed_ids is not None:
+                break
+            assert h._state == names[h._parser.state]

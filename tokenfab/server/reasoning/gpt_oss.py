@@ -30,6 +30,7 @@ from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
 TOOL_CALL = "tool_call"
 TOOL_CALL_END = "tool_call_end"
 FUNCTIONS_PREFIX = "functions."
+_HEADER, _CONTENT, _BETWEEN = "header", "content", "between"
 
 
 @dataclass
@@ -47,17 +48,23 @@ class HarmonyStream:
     """Token-level Harmony parsing of one completion into `HarmonyEvent`s."""
 
     def __init__(self) -> None:
-        from openai_harmony import Role, StreamableParser, StreamState
+        from openai_harmony import Role, StreamableParser
 
         self._enc = harmony_encoding()
         self._parser = StreamableParser(self._enc, Role.ASSISTANT, strict=True)
-        self._header_state = StreamState.HEADER
-        self._content_state = StreamState.CONTENT
+        # The parser's `state` property decodes a JSON dump of everything parsed so far (quadratic over a
+        # response), so the header/content/between-messages state is followed here from the special tokens.
+        special = {
+            t: self._enc.encode(t, allowed_special="all")[0]
+            for t in ("<|start|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>")
+        }
+        self._start_id, self._message_id = special["<|start|>"], special["<|message|>"]
+        self._end_ids = {special["<|end|>"], special["<|call|>"], special["<|return|>"]}
+        self._state = _HEADER  # the prompt ended with "<|start|>assistant"
         self._header_ids: list[int] = []  # tokens of a header not yet closed by <|message|>
         self._failed_ids: list[int] | None = None  # set once Harmony rejected a token
         self._call_index = -1
         self._in_call = False  # the current message is a function call already announced
-        self._msgs_done = 0
 
     def _kind(self, channel: str | None, recipient: str | None) -> str:
         if recipient and recipient.startswith(FUNCTIONS_PREFIX):
@@ -78,11 +85,17 @@ class HarmonyStream:
                 self._failed_ids = [*self._header_ids, tok]
                 continue
             p = self._parser
-            if p.state == self._header_state:
+            if tok == self._message_id and self._state == _HEADER:
+                self._state = _CONTENT
+            elif tok in self._end_ids and self._state == _CONTENT:
+                self._state = _BETWEEN
+            elif tok == self._start_id and self._state == _BETWEEN:
+                self._state = _HEADER
+            if self._state == _HEADER:
                 self._header_ids.append(tok)
             else:
                 self._header_ids = []
-            if p.state != self._content_state:
+            if self._state != _CONTENT:
                 if self._in_call:
                     events.append(HarmonyEvent(TOOL_CALL_END, "", self._call_index))
                 self._in_call = False
