@@ -27,10 +27,13 @@ CALL = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|messa
 
 
 def _calls(parsed):
-    return [(c.index, c.name, c.arguments) for c in parsed.tool_calls]
+    ids = [c.id for c in parsed.calls]
+    assert all(i.startswith("call_") and len(i) == 29 for i in ids) and len(set(ids)) == len(ids)
+    return [(c.name, c.arguments_json) for c in parsed.calls]
 
 
 def _streamed(text: str, sizes: list[int]):
+    from tokenfab.server.tools.base import ToolCallDelta
     from tokenfab.server.tools.gpt_oss import GptOssToolParser, collect
 
     s, events, i, k = GptOssToolParser().stream(), [], 0, 0
@@ -38,7 +41,9 @@ def _streamed(text: str, sizes: list[int]):
         n = sizes[k % len(sizes)]
         events += s.feed(text[i : i + n])
         i, k = i + n, k + 1
-    return collect(events + s.finish())
+    events += s.finish()
+    assert [d.index for d in events if isinstance(d, ToolCallDelta)] == list(range(len(collect(events).calls)))
+    return collect(events)
 
 
 def check(text: str, reasoning, content, calls) -> None:
@@ -50,20 +55,20 @@ def check(text: str, reasoning, content, calls) -> None:
 
 
 def test_one_call_after_reasoning_with_unicode_nested_arguments():
-    check(ANALYSIS + CALL, "The user wants the weather.", None, [(0, "get_weather", ARGS)])
+    check(ANALYSIS + CALL, "The user wants the weather.", None, [("get_weather", ARGS)])
     assert json.loads(ARGS)["options"]["nested"] == {"a": None}
 
 
 def test_content_before_the_call():
     """A preamble on the commentary channel is content; the call follows it."""
     text = ANALYSIS + "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL
-    check(text, "The user wants the weather.", "Let me check.", [(0, "get_weather", ARGS)])
+    check(text, "The user wants the weather.", "Let me check.", [("get_weather", ARGS)])
 
 
 def test_parallel_calls():
     second = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "Europe/Zurich"}<|call|>'
     check(ANALYSIS + CALL + "<|start|>assistant" + second, "The user wants the weather.", None,
-          [(0, "get_weather", ARGS), (1, "get_time", '{"tz": "Europe/Zurich"}')])
+          [("get_weather", ARGS), ("get_time", '{"tz": "Europe/Zurich"}')])
 
 
 def test_call_cut_off_mid_arguments_is_content():
@@ -120,7 +125,7 @@ def test_round_trip_conversation_with_tools_and_results():
              call('{"city": "Bern"}')]
     head = enc.encode("<|start|>assistant", allowed_special="all")
     ids = [t for m in reply for t in enc.render(m)][len(head) :]
-    expected = ("Now Bern.", None, [(0, "get_weather", '{"city": "Bern"}')])
+    expected = ("Now Bern.", None, [("get_weather", '{"city": "Bern"}')])
     parsed = GptOssToolParser().extract_ids(ids)
     assert (parsed.reasoning, parsed.content, _calls(parsed)) == expected
     s, events = GptOssToolParser().stream(), []

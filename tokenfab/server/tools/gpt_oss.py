@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from tokenfab.server.reasoning.base import CONTENT, REASONING
 from tokenfab.server.reasoning.gpt_oss import (
     TOOL_CALL,
     TOOL_CALL_END,
@@ -24,20 +23,24 @@ from tokenfab.server.reasoning.gpt_oss import (
     HarmonyTextStream,
     encode_harmony_text,
 )
+from tokenfab.server.tools.base import ContentDelta, ToolCall, ToolCallDelta, new_call_id
 
 
-@dataclass
-class HarmonyToolCall:
-    index: int  # position among this response's valid calls
-    name: str
-    arguments: str  # JSON object text, as the model wrote it
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Streamed reasoning (the analysis channel); the other deltas are `tools.base`'s."""
+
+    text: str
+
+
+HarmonyDelta = ReasoningDelta | ContentDelta | ToolCallDelta
 
 
 @dataclass
 class HarmonyParsed:
     reasoning: str | None
     content: str | None
-    tool_calls: list[HarmonyToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
 
 
 def _valid_arguments(text: str) -> bool:
@@ -48,16 +51,16 @@ def _valid_arguments(text: str) -> bool:
 
 
 class GptOssToolStream:
-    """Streaming: `feed_ids`/`feed` return ``(kind, value)`` with kind "reasoning"/"content" (value: text) or
-    "tool_call" (value: a complete `HarmonyToolCall`)."""
+    """Streaming: `feed_ids`/`feed`/`finish` return `ReasoningDelta`, `ContentDelta` and, per complete call,
+    one `ToolCallDelta` carrying its index, id, name and whole arguments."""
 
     def __init__(self) -> None:
         self.s = HarmonyTextStream()
         self.calls = 0
         self.pending: HarmonyEvent | None = None  # the call being written: name, arguments so far
 
-    def _events(self, events: list[HarmonyEvent], final: bool = False) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
+    def _deltas(self, events: list[HarmonyEvent], final: bool = False) -> list[HarmonyDelta]:
+        out: list[HarmonyDelta] = []
         for ev in events:
             if ev.kind == TOOL_CALL:
                 if ev.name is not None:
@@ -67,43 +70,46 @@ class GptOssToolStream:
             elif ev.kind == TOOL_CALL_END:
                 out += self._close_call()
             elif ev.text:
-                out.append((ev.kind, ev.text))
+                out.append(ReasoningDelta(ev.text) if ev.kind == "reasoning" else ContentDelta(ev.text))
         if final and self.pending is not None:  # cut off inside a call
-            out.append((CONTENT, self.pending.text))
+            if self.pending.text:
+                out.append(ContentDelta(self.pending.text))
             self.pending = None
         return out
 
-    def _close_call(self) -> list[tuple[str, object]]:
+    def _close_call(self) -> list[HarmonyDelta]:
         call, self.pending = self.pending, None
         if call is None:
             return []
         if not (call.name and _valid_arguments(call.text)):
-            return [(CONTENT, call.text)] if call.text else []
+            return [ContentDelta(call.text)] if call.text else []
         self.calls += 1
-        return [(TOOL_CALL, HarmonyToolCall(self.calls - 1, call.name, call.text))]
+        return [ToolCallDelta(index=self.calls - 1, id=new_call_id(), name=call.name, arguments=call.text)]
 
-    def feed_ids(self, ids: list[int]) -> list[tuple[str, object]]:
-        return self._events(self.s.feed_ids(ids))
+    def feed_ids(self, ids: list[int]) -> list[HarmonyDelta]:
+        return self._deltas(self.s.feed_ids(ids))
 
-    def feed(self, delta: str) -> list[tuple[str, object]]:
-        return self._events(self.s.feed(delta))
+    def feed(self, delta: str) -> list[HarmonyDelta]:
+        return self._deltas(self.s.feed(delta))
 
-    def finish(self) -> list[tuple[str, object]]:
-        return self._events(self.s.finish(), final=True)
+    def finish(self) -> list[HarmonyDelta]:
+        return self._deltas(self.s.finish(), final=True)
 
 
-def collect(events: list[tuple[str, object]]) -> HarmonyParsed:
-    """Join stream events into one `HarmonyParsed` (what a non-streamed response returns)."""
-    reasoning = "".join(v for k, v in events if k == REASONING)
-    content = "".join(v for k, v in events if k == CONTENT)
-    calls = [v for k, v in events if k == TOOL_CALL]
+def collect(deltas: list[HarmonyDelta]) -> HarmonyParsed:
+    """Join streamed deltas into one `HarmonyParsed` (what a non-streamed response returns)."""
+    reasoning = "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
+    content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+    calls = [ToolCall(d.id or "", d.name or "", d.arguments) for d in deltas if isinstance(d, ToolCallDelta)]
     return HarmonyParsed(reasoning or None, content or None, calls)
 
 
 class GptOssToolParser:
-    """``--tool-call-parser openai`` (vLLM's name for GPT-OSS) / ``gpt_oss``."""
+    """GPT-OSS (vLLM's ``--tool-call-parser openai``). Unlike the text parsers in this package it reads the
+    raw completion (token ids, or text spelling the special tokens) and returns reasoning too, since the
+    channels are parsed in one pass; the chat endpoint uses it in place of reasoning parser + tool parser."""
 
-    name = "gpt_oss"
+    name = "openai"
 
     def extract_ids(self, ids: list[int]) -> HarmonyParsed:
         s = GptOssToolStream()
