@@ -102,6 +102,17 @@ def test_tool_call_after_reasoning_is_in_content_only():
     assert reasoning == 'Maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call>? No.'
     assert content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
     check(p, text, (reasoning, content))
+    # Then the family's tool parser (tokenfab/server/tools) sees the content only: one call, the real one.
+    from tokenfab.server.tools import assemble, get_tool_parser
+
+    hermes = get_tool_parser("hermes")
+    calls = [(c.name, c.arguments_json) for c in hermes.extract(content).calls]
+    assert calls == [("get_weather", '{"city": "Zürich"}')]
+    rs, ts, deltas = p.stream(), hermes.stream(), []
+    for ch in text:
+        deltas += [d for kind, part in rs.feed(ch) if kind == "content" for d in ts.feed(part)]
+    deltas += [d for kind, part in rs.finish() if kind == "content" for d in ts.feed(part)] + ts.finish()
+    assert [(c.name, c.arguments_json) for c in assemble(deltas).calls] == calls
 
 
 def test_kimi_tool_section_ends_reasoning():

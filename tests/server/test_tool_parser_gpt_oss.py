@@ -133,3 +133,12 @@ def test_round_trip_conversation_with_tools_and_results():
         events += s.feed_ids([t])
     parsed = collect(events + s.finish())
     assert (parsed.reasoning, parsed.content, _calls(parsed)) == expected
+
+
+def test_registry():
+    from tokenfab.server.tools import get_tool_parser, tool_parser_for_model
+    from tokenfab.server.tools.gpt_oss import GptOssToolParser
+
+    assert tool_parser_for_model("gpt_oss") == "openai"
+    parsed = get_tool_parser("openai").extract(ANALYSIS + CALL)
+    assert isinstance(get_tool_parser("openai"), GptOssToolParser) and _calls(parsed) == [("get_weather", ARGS)]

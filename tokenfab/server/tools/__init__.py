@@ -53,11 +53,16 @@ _BY_MODEL_TYPE = {
     "glm_moe_dsa": "glm45",
     "deepseek_v3": "deepseek_v31",
     "deepseek_v32": "deepseek_v31",
+    "gpt_oss": "openai",  # Harmony, tools/gpt_oss.py (not in TOOL_PARSERS: it reads the raw completion)
 }
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered under `name` (a ValueError naming the choices otherwise)."""
+    if name == "openai":  # GPT-OSS: one Harmony pass gives reasoning, content and calls (duck-typed extract/stream)
+        from tokenfab.server.tools.gpt_oss import GptOssToolParser
+
+        return GptOssToolParser()  # type: ignore[return-value]
     if name not in _PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
     return _PARSERS[name]()
