@@ -271,3 +271,27 @@ def test_gpt_oss_state_tracking_matches_harmony():
             if h._failed_ids is not None:
                 break
             assert h._state == names[h._parser.state]
+
+
+@harmony
+def test_harmony_vocab_offline(tmp_path, monkeypatch):
+    """The o200k file is rebuilt, verified against the published SHA-256, cached; a corrupt cache is rebuilt;
+    a user directory without the file is a clear error."""
+    import hashlib
+
+    from tokenfab.server.reasoning import harmony_vocab as hv
+
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "tiktoken" / hv.O200K_FILE
+    assert hv.ensure_harmony_vocab() == str(path.parent)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == hv.O200K_SHA256
+    first = path.read_bytes().splitlines()[:2]
+    assert first[0].split() == [b"IQ==", b"0"]  # base64("!") has rank 0 in o200k
+    path.write_bytes(b"corrupt")
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
+    hv.ensure_harmony_vocab()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == hv.O200K_SHA256
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "empty"))
+    with pytest.raises(HarmonyVocabUnavailable, match="no o200k_base.tiktoken"):
+        hv.ensure_harmony_vocab()
