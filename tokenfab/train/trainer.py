@@ -201,7 +201,7 @@ class Trainer:
         total_tokens = max(1, sum(_loss_tokens(e) for e in examples))
         micro = [examples[i:i + self.config.batch_size] for i in range(0, len(examples), self.config.batch_size)]
         loss_sum = torch.zeros((), device=self.device)
-        seen = 0
+        seen = sum(len(e[0]) for e in examples)  # tokens of the global batch (host lists: no sync)
         for m, chunk in enumerate(micro):
             packs = self._rank_packs(chunk)
             last_micro = m == len(micro) - 1
@@ -213,7 +213,6 @@ class Trainer:
                 # FSDP averages gradients over ranks: scale so the sum is the global mean.
                 (loss * (self.world / total_tokens)).backward()
                 loss_sum += loss.detach().float()
-                seen += 0 if getattr(batch, "dummy", False) else int(batch.input_ids.numel())
         params = [p for p in self.model.parameters() if p.requires_grad]
         torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         self.optimizer.step()
@@ -255,7 +254,7 @@ class Trainer:
         t0, tokens = time.perf_counter(), 0
         for step in range(self.start_step, self.total_steps):
             loss, n = self._train_step(step)
-            tokens += n * self.world if self.world > 1 else n
+            tokens += n
             self.result.losses.append(loss)
             done = step + 1
             rate = tokens / max(1e-9, time.perf_counter() - t0)
