@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace, train: list, evals: list | None, device) ->
     )
     try:
         trainer = Trainer(model, tokenizer, train, evals, config)
-    except (DataError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError, ValueError) as e:  # bad records, settings, checkpoint
         return _fail(str(e))
     result = trainer.train()
     rank, world = dist_util.rank_and_world()

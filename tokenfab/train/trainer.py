@@ -313,7 +313,7 @@ def _convert_fp8(model: nn.Module, recipe: str) -> None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
-        raise RuntimeError("--fp8 needs torchao: pip install torchao") from e
+        raise ValueError("--fp8 needs torchao (pip install torchao); it is not installed") from e
 
     def eligible(module: nn.Module, fqn: str) -> bool:
         # torchao's float8 GEMMs want both dims divisible by 16; the vocab projection stays in bf16.
