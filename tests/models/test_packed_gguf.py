@@ -183,3 +183,13 @@ def test_memory_figures_reported(llm_packed):
     assert 0.5 < stats.weight_bytes_per_param < 0.75  # Q4_1 linears + Q8_0 embedding (float32: 4)
     # SmolLM2-135M: 30 layers x (k + v) x 3 kv heads x 64 dims x 4 bytes
     assert stats.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+
+
+def test_memory_gauges_in_metrics(llm_packed):
+    from tokenfab.server.metrics import ServerMetrics
+
+    stats = llm_packed.engine.get_stats()
+    text = ServerMetrics("m", stats=lambda: stats, waiting=lambda: 0).render()
+    text = text.decode() if isinstance(text, bytes) else text
+    assert f'tokenfab_weight_bytes_per_param{{model_name="m"}} {stats.weight_bytes_per_param}' in text
+    assert 'tokenfab_kv_cache_bytes_per_token{model_name="m"} 46080.0' in text
