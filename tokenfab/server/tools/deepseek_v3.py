@@ -35,6 +35,8 @@ def _call(body: str, done: bool, raw: str) -> PartialCall:
     rest = rest[len(FENCE) :]
     if rest.startswith("json"):
         rest = rest[4:]
+    elif not done and "json".startswith(rest):  # the fence's language tag is still arriving
+        return PartialCall(name, "", done, raw)
     close = rest.find(FENCE)
     if close >= 0:
         valid = kind in ("function", "") and not rest[close + len(FENCE) :].strip()

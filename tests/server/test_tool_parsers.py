@@ -1,0 +1,284 @@
+"""Tool-call parsers per family, on fixed texts written from each family's published format.
+
+Each family has a writer that renders calls the way the model's chat template renders an assistant turn with
+tool calls; the parser must read back the same names and arguments (compared as decoded JSON, an independent
+reference), keep content before the call, return a cut-off or malformed call as content, and stream in any
+split (1-character deltas and random split points) to exactly what `extract` returns.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenfab.server.tools import (
+    TOOL_PARSERS,
+    ContentDelta,
+    ToolCallDelta,
+    assemble,
+    get_tool_parser,
+    tool_parser_for_model,
+)
+
+
+def _hermes(calls: list[tuple[str, dict]]) -> str:
+    return "\n".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>" for n, a in calls
+    )
+
+
+def _llama3(calls: list[tuple[str, dict]]) -> str:
+    return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in calls)
+
+
+def _deepseek_v3(calls: list[tuple[str, dict]]) -> str:
+    body = "\n".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a, ensure_ascii=False)}\n```"
+        "<｜tool▁call▁end｜>"
+        for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def _deepseek_v31(calls: list[tuple[str, dict]]) -> str:
+    body = "".join(
+        f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a, ensure_ascii=False)}<｜tool▁call▁end｜>"
+        for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def _kimi_k2(calls: list[tuple[str, dict]]) -> str:
+    body = "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a, ensure_ascii=False)}"
+        "<|tool_call_end|>"
+        for i, (n, a) in enumerate(calls)
+    )
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+def _glm_value(v: object) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+def _glm45(calls: list[tuple[str, dict]]) -> str:
+    return "".join(
+        f"<tool_call>{n}\n"
+        + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_glm_value(v)}</arg_value>\n" for k, v in a.items())
+        + "</tool_call>"
+        for n, a in calls
+    )
+
+
+def _gigachat3(calls: list[tuple[str, dict]]) -> str:
+    (n, a) = calls
+    return "function call<|role_sep|>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False)
+
+
+WRITERS = {
+    "hermes": _hermes,
+    "llama3_json": _llama3,
+    "deepseek_v3": _deepseek_v3,
+    "deepseek_v31": _deepseek_v31,
+    "kimi_k2": _kimi_k2,
+    "glm45": _glm45,
+    "gigachat3": lambda calls: _gigachat3(calls[0]) if len(calls) == 1 else pytest.skip("one call per message"),
+}
+PARALLEL = [f for f in WRITERS if f != "gigachat3"]  # GigaChat3 writes one call per message
+
+WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
+SEARCH = ("search", {"query": "tokenfab", "limit": 3})
+NESTED = (
+    "plan_trip",
+    {
+        "city": "Zürich → 東京 🌧",
+        "note": 'say "hi", path C:\\tmp\\{x}',
+        "stops": [{"name": "Ёлки", "days": 2, "tags": ["a", "b"]}, {"name": "x", "opts": {"deep": [1, {"y": None}]}}],
+        "flag": True,
+    },
+)
+CONTENT = "Let me check that for you."
+
+
+def _expected(parser_name: str, calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    return calls
+
+
+def _calls(result) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments_json)) for c in result.calls]
+
+
+def _stream(parser, pieces: list[str]):
+    state = parser.stream()
+    deltas = []
+    for p in pieces:
+        deltas += state.feed(p)
+    deltas += state.finish()
+    return deltas
+
+
+def _same(a, b) -> None:
+    assert a.content == b.content
+    assert [(c.name, c.arguments_json) for c in a.calls] == [(c.name, c.arguments_json) for c in b.calls]
+
+
+def test_registry_names_match_vllm_and_unknown_is_a_clear_error():
+    assert set(TOOL_PARSERS) == set(WRITERS)
+    for name in TOOL_PARSERS:
+        assert get_tool_parser(name).name == name
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'.*hermes"):
+        get_tool_parser("nope")
+
+
+def test_parser_chosen_by_model_type_and_template():
+    assert tool_parser_for_model("qwen3") == "hermes"
+    assert tool_parser_for_model("qwen2", ["Qwen2ForCausalLM"]) == "hermes"
+    assert tool_parser_for_model("kimi_k25") == "kimi_k2"
+    assert tool_parser_for_model("glm4_moe") == "glm45"
+    assert tool_parser_for_model("deepseek_v3") == "deepseek_v31"
+    assert tool_parser_for_model("deepseek_v3", chat_template="{{'function<｜tool▁sep｜>' + name}}") == "deepseek_v3"
+    assert tool_parser_for_model("deepseek_v3", chat_template="{{ 'function call<|role_sep|>\\n' }}") == "gigachat3"
+    assert tool_parser_for_model("gpt2") is None
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_one_call(family):
+    parser = get_tool_parser(family)
+    out = parser.extract(WRITERS[family]([WEATHER]))
+    assert out.content is None
+    assert _calls(out) == [WEATHER]
+    if family == "kimi_k2":
+        assert out.calls[0].id == "functions.get_weather:0"
+    else:
+        assert out.calls[0].id.startswith("call_") and len(out.calls[0].id) > 10
+
+
+@pytest.mark.parametrize("family", PARALLEL)
+def test_parallel_calls(family):
+    out = get_tool_parser(family).extract(WRITERS[family]([WEATHER, SEARCH, NESTED]))
+    assert out.content is None
+    assert _calls(out) == [WEATHER, SEARCH, NESTED]
+    assert len({c.id for c in out.calls}) == 3
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_unicode_and_nested_arguments(family):
+    out = get_tool_parser(family).extract(WRITERS[family]([NESTED]))
+    assert _calls(out) == [NESTED]
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_content_before_the_call(family):
+    out = get_tool_parser(family).extract(CONTENT + "\n\n" + WRITERS[family]([WEATHER]))
+    assert out.content == CONTENT
+    assert _calls(out) == [WEATHER]
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_plain_text_is_content_unchanged(family):
+    text = "No tools needed: 2 < 3 and {braces} stay.\n"
+    parser = get_tool_parser(family)
+    assert parser.extract(text).content == text and parser.extract(text).calls == []
+    _same(assemble(_stream(parser, list(text))), parser.extract(text))
+
+
+@pytest.mark.parametrize("family", list(WRITERS))
+def test_cut_off_call_is_returned_as_content(family):
+    full = CONTENT + " " + WRITERS[family]([NESTED])
+    cut = full[: full.index("Ёлки")]  # mid-arguments
+    parser = get_tool_parser(family)
+    out = parser.extract(cut)
+    assert out.content == cut and out.calls == []
+    # streaming never raises; the content before the call came through as content
+    streamed = assemble(_stream(parser, list(cut)))
+    assert (streamed.content or "").startswith(CONTENT)
+
+
+@pytest.mark.parametrize(
+    ("family", "text"),
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {bad json}}\n</tool_call>'),
+        ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>'),
+        ("llama3_json", '{"answer": 42}'),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and then prose'),
+        ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{'a': 1}<｜tool▁call▁end｜>"),
+        ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\nno fence<｜tool▁call▁end｜>"),
+        ("kimi_k2", "<|tool_call_begin|>functions.f:0 no argument marker<|tool_call_end|>"),
+        ("gigachat3", 'function call<|role_sep|>\n{"name": "f", "arguments": [1, 2]}'),
+    ],
+)
+def test_malformed_call_is_returned_as_content(family, text):
+    out = get_tool_parser(family).extract(text)
+    assert out.content == text and out.calls == []
+
+
+def test_glm_values_json_decoded_when_valid_else_strings():
+    text = (
+        "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n<arg_key>s</arg_key>\n"
+        '<arg_value>hello world</arg_value>\n<arg_key>o</arg_key>\n<arg_value>{"k": [1]}</arg_value>\n</tool_call>'
+    )
+    out = get_tool_parser("glm45").extract(text)
+    assert _calls(out) == [("f", {"n": 3, "s": "hello world", "o": {"k": [1]}})]
+    # GLM-4.7 / GLM-5 write no newlines; a call without arguments gives {}
+    out = get_tool_parser("glm45").extract("<tool_call>g<arg_key>a</arg_key><arg_value>x</arg_value></tool_call>")
+    assert _calls(out) == [("g", {"a": "x"})]
+    assert _calls(get_tool_parser("glm45").extract("<tool_call>now\n</tool_call>")) == [("now", {})]
+
+
+def test_llama3_without_python_tag_and_gigachat31_marker():
+    text = json.dumps({"name": "f", "parameters": {"a": 1}}) + "; " + json.dumps({"name": "g", "arguments": {}})
+    assert _calls(get_tool_parser("llama3_json").extract(text)) == [("f", {"a": 1}), ("g", {})]
+    text = 'ok<|function_call|>{"name": "f", "arguments": {"a": "б"}}'
+    out = get_tool_parser("gigachat3").extract(text)
+    assert out.content == "ok" and _calls(out) == [("f", {"a": "б"})]
+
+
+def test_hermes_arguments_as_encoded_string():
+    out = get_tool_parser("hermes").extract('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert _calls(out) == [("f", {"a": 1})]
+
+
+def _cases():
+    for family in WRITERS:
+        yield family, WRITERS[family]([NESTED])
+        yield family, CONTENT + "\n" + WRITERS[family]([WEATHER])
+    for family in PARALLEL:
+        yield family, "Sure.\n" + WRITERS[family]([WEATHER, NESTED, SEARCH])
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize(("family", "text"), CASES)
+def test_streaming_one_char_deltas_reassemble_extract(family, text):
+    parser = get_tool_parser(family)
+    want = parser.extract(text)
+    assert want.calls
+    deltas = _stream(parser, list(text))
+    _same(assemble(deltas), want)
+    # OpenAI's shape: id and name on each call's first delta only, argument fragments after
+    seen = set()
+    for d in deltas:
+        if isinstance(d, ToolCallDelta):
+            assert (d.id is not None) == (d.index not in seen) == (d.name is not None)
+            seen.add(d.index)
+        else:
+            assert isinstance(d, ContentDelta) and d.text
+    if family == "kimi_k2":
+        assert [d.id for d in deltas if isinstance(d, ToolCallDelta) and d.id] == [c.id for c in want.calls]
+    # arguments really stream: the longest call's arguments come in several fragments
+    assert sum(1 for d in deltas if isinstance(d, ToolCallDelta) and d.arguments) > len(want.calls)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CASES), data=st.data())
+def test_streaming_random_split_points(case, data):
+    family, text = case
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=12)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    parser = get_tool_parser(family)
+    _same(assemble(_stream(parser, pieces)), parser.extract(text))
