@@ -295,3 +295,34 @@ def test_harmony_vocab_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "empty"))
     with pytest.raises(HarmonyVocabUnavailable, match="no o200k_base.tiktoken"):
         hv.ensure_harmony_vocab()
+
+
+@pytest.mark.parametrize("name", THINK_PARSERS)
+def test_streaming_equals_extract_on_random_texts(name):
+    """Any split of any text (built from tags, partial tags, whitespace and letters) streams to `extract`'s
+    result: the held-back partial markers and whitespace never leak or vanish."""
+    atoms = ["<think>", "</think>", "<", "</th", "<thi", " ", "\n", "a", "ß", "<|tool_calls_section_begin|>", "<|"]
+    rng = random.Random(name)
+    for case in range(300):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 12)))
+        prompt = rng.choice([None, "<|assistant|>", "<|assistant|><think>\n", "<think></think>"])
+        kwargs = rng.choice([ON[name], OFF.get(name, {})])
+        p = get_reasoning_parser(name, chat_template_kwargs=kwargs, prompt=prompt)
+        expected = p.extract(text)
+        for sizes in ([1], [2, 3], [rng.randint(1, 6) for _ in range(5)]):
+            assert stream_chunks(p, text, sizes) == expected, (case, text, prompt, kwargs, sizes)
+
+
+@harmony
+def test_gpt_oss_streaming_equals_extract_on_random_texts():
+    """Text deltas split anywhere (inside special tokens, words, headers) give `extract`'s result, and
+    malformed sequences never raise."""
+    atoms = ["<|channel|>", "analysis", "final", "commentary", "<|message|>", "<|end|>", "<|start|>assistant",
+             "<|return|>", " to=functions.f", "word ", "ü", "<", "|", "{}"]
+    p = get_reasoning_parser("gpt_oss")
+    rng = random.Random(0)
+    for case in range(150):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 10)))
+        expected = p.extract(text)
+        for sizes in ([1], [rng.randint(1, 7) for _ in range(5)]):
+            assert stream_chunks(p, text, sizes) == expected, (case, text, sizes)
