@@ -235,6 +235,20 @@ def test_llama3_without_python_tag_and_gigachat31_marker():
     text = 'ok<|function_call|>{"name": "f", "arguments": {"a": "б"}}'
     out = get_tool_parser("gigachat3").extract(text)
     assert out.content == "ok" and _calls(out) == [("f", {"a": "б"})]
+    out = get_tool_parser("gigachat3").extract('function call{"name": "f", "arguments": {}}')
+    assert out.content is None and _calls(out) == [("f", {})]
+
+
+def test_gigachat_prose_mentioning_a_function_call_stays_streamed_content():
+    parser = get_tool_parser("gigachat3")
+    text = "A function call is how code runs a function; the function call returns."
+    assert parser.extract(text).content == text
+    state = parser.stream()
+    early = []
+    for ch in text[:-10]:
+        early += state.feed(ch)
+    # not held back to the end: everything but a possible partial marker has streamed already
+    assert "".join(d.text for d in early if isinstance(d, ContentDelta)).startswith("A function call is how code")
 
 
 def test_hermes_arguments_as_encoded_string():
