@@ -134,3 +134,9 @@ def test_torchrun_two_processes_write_the_one_process_adapter(tmp_path, tiny_fol
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6, msg=key)
     assert (tmp_path / "two" / "merged" / "model.safetensors").exists()
+
+
+def test_lora_targets_matching_nothing_are_refused(tmp_path, tiny_folder, capsys):
+    rc = main(["finetune", str(tiny_folder), "--data", str(_write(tmp_path / "t.jsonl", TRAIN)),
+               "--output-dir", str(tmp_path / "o"), "--lora-target-modules", "no_such_proj", "--no-progress"])
+    assert rc == 2 and "no_such_proj" in capsys.readouterr().err
