@@ -142,3 +142,54 @@ def test_registry():
     assert tool_parser_for_model("gpt_oss") == "openai"
     parsed = get_tool_parser("openai").extract(ANALYSIS + CALL)
     assert isinstance(get_tool_parser("openai"), GptOssToolParser) and _calls(parsed) == [("get_weather", ARGS)]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_prompt_from_openai_messages_with_tools_and_results():
+    """OpenAI chat messages (system, user, an assistant tool call with reasoning, the tool's result) rendered by
+    openai-harmony: effort in the system message, instructions and tools in the developer message, the call on
+    commentary to=functions.NAME, the result from functions.NAME; then the reply parses back."""
+    from tokenfab.server.reasoning.harmony_prompt import gpt_oss_stop_token_ids, render_gpt_oss_prompt
+    from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+    from tokenfab.server.tools.gpt_oss import GptOssToolParser
+
+    enc = harmony_encoding()
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Zürich?"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "Need the tool.", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]
+    text = enc.decode(render_gpt_oss_prompt(msgs, [WEATHER_TOOL], "high"))
+    for part in ["<|start|>system<|message|>", "Reasoning: high", "<|start|>developer<|message|># Instructions\n\n"
+                 "Be brief.", "type get_weather = (_: {\ncity: string,\n}) => any;",
+                 "<|start|>user<|message|>Weather in Zürich?<|end|>",
+                 "<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>",
+                 '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>'
+                 '{"city": "Zürich"}<|call|>',
+                 '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 3}<|end|>']:
+        assert part in text, part
+    assert text.endswith("<|start|>assistant")
+    assert enc.decode(gpt_oss_stop_token_ids()) in ("<|return|><|call|>", "<|call|><|return|>")
+    # The model's next turn, written in Harmony, parses back: analysis -> reasoning, final -> content.
+    parsed = GptOssToolParser().extract("<|channel|>analysis<|message|>3 degrees.<|end|><|start|>assistant"
+                                        "<|channel|>final<|message|>It is 3 °C.<|return|>")
+    assert (parsed.reasoning, parsed.content, parsed.calls) == ("3 degrees.", "It is 3 °C.", [])
+
+
+@pytest.mark.parametrize(("messages", "tools", "effort", "match"), [
+    ([{"role": "tool", "tool_call_id": "call_x", "content": "1"}], None, None, "matches no earlier"),
+    ([{"role": "user", "content": "hi"}], None, "extreme", "reasoning_effort"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], None, None, "text"),
+    ([{"role": "user", "content": "hi"}], [{"type": "function"}], None, "tools"),
+    ([{"role": "wizard", "content": "hi"}], None, None, "unknown role"),
+])
+def test_prompt_bad_input_is_a_value_error(messages, tools, effort, match):
+    from tokenfab.server.reasoning.harmony_prompt import render_gpt_oss_prompt
+
+    with pytest.raises(ValueError, match=match):
+        render_gpt_oss_prompt(messages, tools, effort)
