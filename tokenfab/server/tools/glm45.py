@@ -5,6 +5,7 @@ streamed prefix is stable)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -13,6 +14,12 @@ from tokenfab.server.tools.base import PartialCall, Scan, ToolParser, split_bloc
 BEGIN, END = "<tool_call>", "</tool_call>"
 KEY = "<arg_key>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair_json(key: str, raw: str) -> str:
+    """One ``"key": value`` member (cached: streaming rescans the finished pairs on every delta)."""
+    return f"{json.dumps(key.strip(), ensure_ascii=False)}: {_value_json(raw)}"
 
 
 def _value_json(raw: str) -> str:
@@ -44,7 +51,7 @@ def _call(body: str, done: bool, raw: str) -> PartialCall:
     for m in _PAIR.finditer(body, pos):
         if body[pos : m.start()].strip():
             break
-        pairs.append(f"{json.dumps(m.group(1).strip(), ensure_ascii=False)}: {_value_json(m.group(2))}")
+        pairs.append(_pair_json(m.group(1), m.group(2)))
         pos = m.end()
     rest = body[pos:].strip()
     args = "{" + ", ".join(pairs) + ("}" if done else "")
