@@ -229,6 +229,39 @@ def test_glm_values_json_decoded_when_valid_else_strings():
     assert _calls(get_tool_parser("glm45").extract("<tool_call>now\n</tool_call>")) == [("now", {})]
 
 
+def test_glm_string_parameters_follow_the_tool_schema():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "ship",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zip": {"type": "string"}, "count": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    text = (
+        "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>01234</arg_value>\n"
+        "<arg_key>count</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+    )
+    assert _calls(get_tool_parser("glm45", tools=tools).extract(text)) == [("ship", {"zip": "01234", "count": 2})]
+    text = text.replace("01234", "true")
+    assert _calls(get_tool_parser("glm45", tools=tools).extract(text)) == [("ship", {"zip": "true", "count": 2})]
+    assert _calls(get_tool_parser("glm45").extract(text)) == [("ship", {"zip": True, "count": 2})]
+
+
+@pytest.mark.parametrize("family", [f for f in PARALLEL if f != "llama3_json"])  # Llama-3: calls are the whole output
+def test_text_between_and_after_calls_is_content(family):
+    one, two = WRITERS[family]([WEATHER]), WRITERS[family]([SEARCH])
+    text = f"First.\n{one}\nThen.  {two}\nDone."
+    parser = get_tool_parser(family)
+    out = parser.extract(text)
+    assert out.content == "First.\nThen.\nDone." and _calls(out) == [WEATHER, SEARCH]
+    _same(assemble(_stream(parser, list(text))), out)
+
+
 def test_llama3_without_python_tag_and_gigachat31_marker():
     text = json.dumps({"name": "f", "parameters": {"a": 1}}) + "; " + json.dumps({"name": "g", "arguments": {}})
     assert _calls(get_tool_parser("llama3_json").extract(text)) == [("f", {"a": 1}), ("g", {})]

@@ -57,15 +57,16 @@ _BY_MODEL_TYPE = {
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered under `name` (a ValueError naming the choices otherwise)."""
+def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
+    """The parser registered under `name` (a ValueError naming the choices otherwise); `tools` is the request's
+    OpenAI ``tools`` list (GLM reads the parameter types from it)."""
     if name == "openai":  # GPT-OSS: one Harmony pass gives reasoning, content and calls (duck-typed extract/stream)
         from tokenfab.server.tools.gpt_oss import GptOssToolParser
 
         return GptOssToolParser()  # type: ignore[return-value]
     if name not in _PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
-    return _PARSERS[name]()
+    return _PARSERS[name](tools)
 
 
 def tool_parser_for_model(

@@ -15,7 +15,8 @@ shared here:
   as content by `finish()`.
 
 Whitespace between content and a call is dropped (the content before a call is right-stripped, the content
-after it left-stripped); an output without calls is returned unchanged.
+after it left-stripped, pieces on both sides of a call joined by a newline); an output without calls is returned
+unchanged.
 """
 
 from __future__ import annotations
@@ -86,14 +87,17 @@ class Scan:
 
     def content(self) -> str:
         """The content outside calls, with the whitespace adjoining each call dropped."""
+        if len(self.segments) == 1:
+            return self.segments[0]
         parts = []
         for i, seg in enumerate(self.segments):
             if i < len(self.calls):
                 seg = seg.rstrip()
             if i > 0:
                 seg = seg.lstrip()
-            parts.append(seg)
-        return "".join(parts)
+            if seg:
+                parts.append(seg)
+        return "\n".join(parts)  # text on both sides of a call becomes two lines
 
 
 def partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
@@ -155,6 +159,10 @@ class ToolParser(ABC):
     """Splits one model family's output into content and tool calls."""
 
     name: str = ""
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        """`tools`: the request's OpenAI ``tools`` list, for formats whose values need the schema (GLM)."""
+        self.tools = tools
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
