@@ -216,6 +216,21 @@ def test_malformed_call_is_returned_as_content(family, text):
     assert out.content == text and out.calls == []
 
 
+@pytest.mark.parametrize(
+    ("family", "text"),
+    [
+        ("hermes", '<tool_call>{"\\q": 1}</tool_call>'),  # invalid escape in a key
+        ("hermes", '<tool_call>{"name": "\\q", "arguments": {}}</tool_call>'),
+        ("llama3_json", '{"name": "f", "parameters": {}}<|python_tag|>{"name": "g", "parameters": {}}'),
+    ],
+)
+def test_found_by_fuzzing_bad_escapes_and_llama3_tag_after_a_call(family, text):
+    parser = get_tool_parser(family)
+    assert parser.extract(text) == parser.extract(text) and parser.extract(text).calls == []
+    assert parser.extract(text).content == text
+    assemble(_stream(parser, list(text)))  # never raises
+
+
 def test_glm_values_json_decoded_when_valid_else_strings():
     text = (
         "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n<arg_key>s</arg_key>\n"
@@ -329,3 +344,60 @@ def test_streaming_random_split_points(case, data):
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     parser = get_tool_parser(family)
     _same(assemble(_stream(parser, pieces)), parser.extract(text))
+
+
+_ATOMS = {
+    "hermes": ["<tool_call>", "</tool_call>", "\n"],
+    "llama3_json": ["<|python_tag|>", ";", " "],
+    "deepseek_v3": [
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "function<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "```json\n",
+        "\n```",
+    ],
+    "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"],
+    "kimi_k2": [
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.f:0",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ],
+    "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "\n"],
+    "gigachat3": ["function call", "<|role_sep|>", "<|function_call|>", "\n"],
+}
+_JSON_BITS = [
+    '{"name": "f", "arguments": {"a": [1, "x}"]}}',
+    '{"name": "g", "parameters": {}}',
+    '{"a": 1}',
+    "f",
+    "{",
+    "}",
+    '"',
+    "\\",
+    "é",
+    " ",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), family=st.sampled_from(list(WRITERS)))
+def test_random_marker_soup_never_raises_and_valid_calls_stream_the_same(data, family):
+    whole = [WRITERS[family]([WEATHER]), "Hi. "]
+    parts = data.draw(st.lists(st.sampled_from(_ATOMS[family] + _JSON_BITS + whole), max_size=14))
+    text = "".join(parts)
+    parser = get_tool_parser(family)
+    out = parser.extract(text)
+    if not out.calls:
+        assert (
+            out.content == text
+            or (out.content is None and not text.strip())
+            or family in ("deepseek_v3", "deepseek_v31", "kimi_k2")
+        )
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=8))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    streamed = assemble(_stream(parser, pieces))
+    if out.calls:
+        _same(streamed, out)

@@ -59,16 +59,17 @@ class Glm45ToolParser(ToolParser):
 
 
 def _call(body: str, done: bool, raw: str, strings: dict[str, frozenset[str]]) -> PartialCall:
-    key_at = body.find(KEY)
-    if key_at >= 0:
-        name = body[:key_at].strip()
-    elif done or "\n" in body.lstrip():
-        name = body.strip().split("\n", 1)[0].strip()
+    stripped = body.lstrip()
+    cuts = [i for i in (stripped.find("\n"), stripped.find(KEY)) if i >= 0]
+    if cuts:  # the name is the first line, or what comes before the first <arg_key>
+        name = stripped[: min(cuts)].strip()
+        pos = len(body) - len(stripped) + min(cuts)
+    elif done:
+        name, pos = stripped.strip(), len(body)
     else:
         return PartialCall(None, "", done, raw)
     pairs = []
     as_string = strings.get(name, frozenset())
-    pos = key_at if key_at >= 0 else len(body)
     for m in _PAIR.finditer(body, pos):
         if body[pos : m.start()].strip():
             break
@@ -77,5 +78,5 @@ def _call(body: str, done: bool, raw: str, strings: dict[str, frozenset[str]]) -
         pos = m.end()
     rest = body[pos:].strip()
     args = "{" + ", ".join(pairs) + ("}" if done else "")
-    valid = bool(name) and (not done or not rest) and " " not in name
+    valid = bool(name) and (not done or not rest) and not any(c.isspace() or c == "<" for c in name)
     return PartialCall(name or None, args, done, raw, valid=valid)

@@ -82,7 +82,10 @@ def scan_json_call(s: str, start: int = 0) -> JsonCallScan:
         k_end = _string_end(s, i)
         if k_end is None:
             return JsonCallScan(name, args, None, True)
-        key = json.loads(s[i:k_end])
+        try:
+            key = json.loads(s[i:k_end])
+        except ValueError:  # e.g. an invalid escape
+            return JsonCallScan(name, args, None, False)
         i = _skip_ws(s, k_end)
         if i >= len(s):
             return JsonCallScan(name, args, None, True)
@@ -93,14 +96,14 @@ def scan_json_call(s: str, start: int = 0) -> JsonCallScan:
             return JsonCallScan(name, args, None, True)
         v_end = _value_end(s, i)
         if key == "name" and v_end is not None:
-            value = json.loads(s[i:v_end]) if s[i] == '"' else None
+            value = _decoded_string(s[i:v_end]) if s[i] == '"' else None
             if not isinstance(value, str):
                 return JsonCallScan(None, args, None, False)
             name = value
         elif key in ARG_KEYS:
             has_args = True
             if s[i] == '"':  # arguments sent as a JSON-encoded string: usable only when complete
-                args = _decoded_string(s[i:v_end]) if v_end is not None else ""
+                args = (_decoded_string(s[i:v_end]) or "") if v_end is not None else ""
             else:
                 args = s[i:v_end] if v_end is not None else s[i:]
         if v_end is None:
@@ -108,9 +111,9 @@ def scan_json_call(s: str, start: int = 0) -> JsonCallScan:
         i = v_end
 
 
-def _decoded_string(text: str) -> str:
+def _decoded_string(text: str) -> str | None:
     try:
         value = json.loads(text)
     except ValueError:
-        return ""
-    return value if isinstance(value, str) else ""
+        return None
+    return value if isinstance(value, str) else None

@@ -14,7 +14,9 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def scan(self, text: str, final: bool) -> Scan:
-        tag = text.find(PYTHON_TAG)
+        # an output that starts with "{" is calls from its first character (streaming cannot wait for a tag
+        # that may come later); otherwise the calls start after <|python_tag|>
+        tag = -1 if text.lstrip().startswith("{") else text.find(PYTHON_TAG)
         if tag >= 0:
             head, start = text[:tag], tag + len(PYTHON_TAG)
         elif text.lstrip().startswith("{"):
