@@ -109,21 +109,26 @@ def hf_greedy(prompts):
     return out
 
 
+@pytest.mark.slow  # the default path is packed: test_bundled_vs_transformers runs this in the fast tier
 def test_packed_greedy_alone_matches_transformers(llm_packed, prompts, hf_greedy):
     for ids, expected in zip(prompts, hf_greedy):
         assert llm_packed.generate([ids], PARAMS)[0].outputs[0].token_ids == expected
 
 
+@pytest.mark.slow  # the default path is packed: test_bundled_vs_transformers runs this in the fast tier
 def test_packed_greedy_batched_matches_transformers(llm_packed, prompts, hf_greedy):
     outs = llm_packed.generate(prompts, PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy
 
 
-def test_quantization_none_still_dequantizes(prompts, hf_greedy):
+def test_quantization_none_still_dequantizes(llm_packed, prompts):
+    """The float32 path of before gives the packed path's greedy tokens (which are transformers'
+    tokens: test_bundled_vs_transformers, on the default = packed path)."""
     llm = LLM(quantization="none", max_num_batched_tokens=512)
     assert isinstance(llm.engine.model.lm_head, LMHead) and llm.engine.model.lm_head.weight.dtype == torch.float32
-    outs = llm.generate(prompts[:3], PARAMS)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy[:3]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params)]
+    assert plain == [o.outputs[0].token_ids for o in llm_packed.generate(prompts[:3], params)]
 
 
 def test_q8_activation_products_equal_the_reference_inside_the_model(prompts, monkeypatch):
