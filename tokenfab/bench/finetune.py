@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         results[name] = {"tokens_per_s": sum(s["tokens"]) / sum(s["s"]), "tokens_per_s_rounds": rounds,
                          "median_step_s": statistics.median(s["s"]), "losses": s["loss"]}
     report: dict[str, Any] = {
-        "benchmark": "finetune", "commit": commit, "dirty": dirty, "machine": machine(),
+        "benchmark": "finetune", "command": "tokenfab " + " ".join(sys.argv[1:]),
+        "commit": commit, "dirty": dirty, "machine": machine(),
         "load_average_end": load_average(), "device": device, "dtype": "float32",
         "model": args.model or "bundled SmolLM2-135M-Instruct (GGUF, dequantized)",
         "workload": {"batch_size": args.batch_size, "min_len": min_len, "seq_len": args.seq_len,
@@ -195,7 +197,7 @@ def _markdown(rep: dict[str, Any]) -> str:
         f"Model: {rep['model']}. Batch {w['batch_size']} samples/step, lengths {w['min_len']}-{w['seq_len']}, "
         f"LoRA r={w['lora_r']} alpha={w['lora_alpha']} on {', '.join(w['targets'])}; "
         f"{w['warmup_steps']} warm-up + {w['repeats']} x {w['steps']} timed steps per side, interleaved.",
-        f"Our kernels: {', '.join(rep['tokenfab_kernels']) or 'none'}.",
+        f"Our kernels: {', '.join(rep['tokenfab_kernels']) or 'none'}. Command: `{rep['command']}`.",
         "",
         markdown_table(["side", "tokens/s", "per round", "median step s", "step-0 loss"], rows),
     ]
