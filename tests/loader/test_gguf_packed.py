@@ -74,3 +74,15 @@ def test_packed_qk_rows_are_unpermuted(tmp_path: Path) -> None:
     outs = {q: [o.outputs[0].token_ids for o in LLM(str(path), quantization=q, num_kv_blocks=32, block_size=4)
                 .generate(prompts, params)] for q in ("gguf", "none")}
     assert outs["gguf"] == outs["none"]
+
+
+def test_default_is_packed_and_falls_back_without_native_kernels(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, TinySpec(arch="llama", default_type=QT.Q4_0), tokenizer=True)
+    default = load_model(path, torch.float32, CPU, 128, load_tokenizer=False).model
+    assert isinstance(default.model.layers[0].mlp.down_proj, GGMLLinear)
+    bf16 = load_model(path, torch.bfloat16, CPU, 128, load_tokenizer=False).model  # packed needs float32
+    assert type(bf16.model.layers[0].mlp.down_proj) is Linear
+    monkeypatch.setenv("TOKENFAB_CPU_NATIVE", "0")
+    fallback = load_model(path, torch.float32, CPU, 128, load_tokenizer=False).model
+    assert type(fallback.model.layers[0].mlp.down_proj) is Linear
