@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -401,3 +402,108 @@ def test_random_marker_soup_never_raises_and_valid_calls_stream_the_same(data, f
     streamed = assemble(_stream(parser, pieces))
     if out.calls:
         _same(streamed, out)
+
+
+# Template round trip: each family's assistant tool-call turn, rendered by a tiny Jinja template written from the
+# family's published chat template (only the parts that render tool calls and tool results), parsed back.
+_ROUND_TRIP = {
+    "hermes": (
+        "{% for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}\n"
+        "{% if m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>"
+        "{% else %}{{ m.content or '' }}{% for tc in m.tool_calls or [] %}{% set f = tc.function %}"
+        '\n<tool_call>\n{"name": "{{ f.name }}", "arguments": '
+        "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}\n</tool_call>{% endfor %}"
+        "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "<|im_end|>",
+    ),
+    "llama3_json": (
+        "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+        "{% if m.tool_calls %}{% set f = m.tool_calls[0].function %}"  # Llama 3.1: one call, no content
+        '{"name": "{{ f.name }}", "parameters": {{ f.arguments | tojson }}}'
+        "{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+        "<|eot_id|>",
+    ),
+    "deepseek_v3": (
+        "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+        "{% elif m.role == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ m.content }}"
+        "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>{% else %}<｜Assistant｜>{{ m.content or '' }}"
+        "<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}{% if not loop.first %}\n{% endif %}"
+        "<｜tool▁call▁begin｜>{{ tc.type }}<｜tool▁sep｜>{{ tc.function.name }}\n```json\n{{ tc.function.arguments }}"
+        "\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
+        "<｜end▁of▁sentence｜>",
+    ),
+    "deepseek_v31": (
+        "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+        "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
+        "{% else %}<｜Assistant｜></think>{{ m.content or '' }}<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}"
+        "<｜tool▁call▁begin｜>{{ tc.function.name }}<｜tool▁sep｜>{{ tc.function.arguments }}<｜tool▁call▁end｜>"
+        "{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}",
+        "<｜end▁of▁sentence｜>",
+    ),
+    "kimi_k2": (
+        "{% for m in messages %}<|im_{{ 'system' if m.role == 'tool' else m.role }}|>{{ m.role }}<|im_middle|>"
+        "{% if m.role == 'tool' %}## Return of {{ m.tool_call_id }}\n{{ m.content }}"
+        "{% else %}{{ m.content or '' }}{% if m.tool_calls %}<|tool_calls_section_begin|>{% for tc in m.tool_calls %}"
+        "<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>"
+        "{{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}"
+        "<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}{% endif %}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
+        "<|im_end|>",
+    ),
+    "glm45": (
+        "{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}"
+        "{% elif m.role == 'tool' %}<|observation|>\n<tool_response>\n{{ m.content }}\n</tool_response>"
+        "{% else %}<|assistant|>\n{{ m.content or '' }}{% for tc in m.tool_calls %}{% set f = tc.function %}"
+        "\n<tool_call>{{ f.name }}\n{% for k, v in f.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
+        "<arg_value>{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+        "<|observation|>",
+    ),
+    "gigachat3": (
+        "{% for m in messages %}{% if m.role == 'tool' %}function result<|role_sep|>\n{{ m.content }}"
+        "{% elif m.tool_calls %}assistant<|role_sep|>\n{{ m.content or '' }}function call<|role_sep|>\n"
+        "{% set f = m.tool_calls[0].function %}"
+        '{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}'
+        "{% else %}{{ m.role }}<|role_sep|>\n{{ m.content }}{% endif %}<|message_sep|>\n\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant<|role_sep|>\n{% endif %}",
+        "<|message_sep|>",
+    ),
+}
+_STRING_ARGS = {"deepseek_v3", "deepseek_v31"}  # these templates concatenate arguments, so they must be JSON text
+
+
+def _render(template: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    env = jinja2.Environment()
+    env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)  # as transformers' chat templates do
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("family", list(_ROUND_TRIP))
+def test_template_round_trip(family):
+    template, end_of_turn = _ROUND_TRIP[family]
+    single = family in ("gigachat3", "llama3_json")  # their templates render one call per message
+    calls = [NESTED] if single else [WEATHER, NESTED]
+    tool_calls = [
+        {
+            "id": f"functions.{n}:{i}" if family == "kimi_k2" else f"call_{i}",
+            "type": "function",
+            "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False) if family in _STRING_ARGS else a},
+        }
+        for i, (n, a) in enumerate(calls)
+    ]
+    user = {"role": "user", "content": "Plan a trip to Zürich."}
+    prompt = _render(template, [user], add_generation_prompt=True)
+    turn = {"role": "assistant", "content": CONTENT, "tool_calls": tool_calls}
+    result = {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": '{"temp": 21}'}
+    full = _render(template, [user, turn, result], add_generation_prompt=True)
+    assert full.startswith(prompt) and '{"temp": 21}' in full
+    generated = full[len(prompt) :].split(end_of_turn)[0]  # what the model would have generated
+    out = get_tool_parser(family).extract(generated)
+    assert out.content == (None if family == "llama3_json" else CONTENT)
+    assert _calls(out) == calls
+    if family == "kimi_k2":
+        assert [c.id for c in out.calls] == [tc["id"] for tc in tool_calls]
+    _same(assemble(_stream(get_tool_parser(family), list(generated))), out)
