@@ -68,6 +68,7 @@ class EngineCoreClient:
         self._workdir = workdir
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._dead: str | None = None
+        self._closing = False  # a core that exits after our shutdown message did not "die"
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -146,7 +147,7 @@ class EngineCoreClient:
         while self._dead is None:
             fds = [self._stop_r] + ([self._pidfd] if self._pidfd is not None else [])
             ready = select.select(fds, [], [], None if self._pidfd is not None else 0.5)[0]
-            if self._stop_r in ready:
+            if self._stop_r in ready or self._closing:
                 return
             if (self._pidfd is not None and self._pidfd in ready) or not self._core_alive():
                 code = self.proc.wait() if self.proc is not None else None
@@ -283,6 +284,7 @@ class EngineCoreClient:
     # ---- shutdown ----
     def close(self, timeout: float = 10.0) -> None:
         """Disconnect; when this client started the core, stop it (shutdown message, then signals)."""
+        self._closing = True
         if self.proc is not None and self.proc.poll() is None:
             self._send(ipc.encode("shutdown"))
             try:
