@@ -11,9 +11,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.server.chat_tools import (
+    DEFAULT_TOOL_PARSER,
+    ChoiceShaper,
+    check_request,
+    grammar_format,
+    template_messages,
+)
 from tokenfab.server.errors import APIError
 from tokenfab.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage, random_id
+from tokenfab.server.reasoning import get_reasoning_parser, reasoning_parser_for_model
 from tokenfab.server.streaming import (
     ClientGone,
     EngineStreamingResponse,
@@ -24,6 +32,7 @@ from tokenfab.server.streaming import (
     usage,
     watch,
 )
+from tokenfab.server.tools import tool_parser_for_model
 
 if TYPE_CHECKING:
     from tokenfab.server.serving import OpenAIServer
@@ -36,16 +45,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                 chat_template: str | None = None) -> str:
     """The prompt text of ``messages`` under the model's chat template (or ``chat_template``, which
     the caller has checked is trusted). Runs in the server's tokenizer pool, off the event loop."""
-    conv = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):  # text parts (the request model admits no other kind)
-            content = "\n".join(part.text for part in content)
-        role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": content or ""}
-        if m.name:
-            msg["name"] = m.name
-        conv.append(msg)
+    conv = template_messages(messages)
     if continue_final_message:
         add_generation_prompt = False
     extra = dict(kwargs or {})
@@ -60,6 +60,21 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
 
 
+def parser_names(server: OpenAIServer) -> tuple[str | None, str | None]:
+    """(tool parser, reasoning parser) for this server: ``--tool-call-parser``/``--reasoning-parser`` when set
+    (``ServerConfig.tool_call_parser``/``reasoning_parser``), else by the model's type."""
+    cfg = getattr(getattr(server.engine, "engine", None), "config", None)
+    get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
+    model_type, archs = get("model_type"), get("architectures")
+    template = getattr(server.tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    # a template without a tool format (the bundled SmolLM2): Hermes, the most common trained-in format
+    by_model = tool_parser_for_model(model_type, archs, template) if "tool" in template else None
+    tool = getattr(server.config, "tool_call_parser", None) or by_model or DEFAULT_TOOL_PARSER
+    reasoning = getattr(server.config, "reasoning_parser", None) or reasoning_parser_for_model(model_type, archs)
+    return tool, reasoning
+
+
 async def create_chat_completion(server: OpenAIServer, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     server.check_model(body.model)
@@ -69,21 +84,33 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     server.check_priority(body.priority)
     if body.top_logprobs is not None and not body.logprobs and body.top_logprobs > 0:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    kwargs = body.chat_template_kwargs.model_dump(exclude_none=True) if body.chat_template_kwargs else None
+    plan = check_request(body)
+    template_kwargs = body.chat_template_kwargs.model_dump(exclude_none=True) if body.chat_template_kwargs else None
+    kwargs = dict(template_kwargs or {})
+    if plan.tools and plan.mode != "none":
+        kwargs["tools"] = plan.tools
     text = await server.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    kwargs, body.chat_template)
+                                    kwargs or None, body.chat_template)
     ids = await server.tokenize(text, add_special_tokens=False, param="messages")
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = await server.build_constraint(body.response_format)
+    tool_format = grammar_format(plan)
+    if tool_format is not None and body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"tool_choice {plan.mode} is enforced by a grammar and cannot be combined with "
+                       "response_format", param="response_format")
+    constraint = await server.build_constraint(tool_format or body.response_format)
+    tool_parser, reasoning_name = parser_names(server)
+    reasoning = (get_reasoning_parser(reasoning_name, chat_template_kwargs=template_kwargs, prompt=text)
+                 if reasoning_name else None)
     params = server.sampling_params(body, max_tokens, k, constraint, body.prompt_logprobs)
     server.check_request([ids], params, "messages")
     request_id = random_id("chatcmpl")
     stream = await server.submit([ids], params, body.priority, arrival, request_id, body.cache_salt)
     created = int(time.time())
     if body.stream:
-        gen = _chat_stream(server, body, request, stream, request_id, created, len(ids), k)
+        shapers = [ChoiceShaper(plan, tool_parser, reasoning) for _ in range(stream.num_choices)]
+        gen = _chat_stream(server, body, request, stream, request_id, created, len(ids), k, shapers)
         return EngineStreamingResponse(gen, stream)
     finals = await collect(stream, request)
     choices = []
@@ -101,8 +128,9 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
             lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
             gen_ids = [t for c in chunks for t in c.delta_token_ids]
             logprobs = {"content": chat_logprobs(server.tokenizer, gen_ids, lps, k)}
-        choices.append({"index": index, "message": {"role": "assistant", "content": last.text or ""},
-                        "logprobs": logprobs, "finish_reason": finish(last.finish_reason),
+        message, reason = ChoiceShaper(plan, tool_parser, reasoning).final(last.text or "",
+                                                                           finish(last.finish_reason))
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
                         "stop_reason": last.stop_reason})
     response = {
         "id": request_id, "object": "chat.completion", "created": created, "model": server.model_name,
@@ -115,7 +143,8 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
 
 
 async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
-                       request_id: str, created: int, num_prompt: int, k: int | None) -> AsyncIterator[str]:
+                       request_id: str, created: int, num_prompt: int, k: int | None,
+                       shapers: list[ChoiceShaper]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -154,9 +183,19 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
                 yield sse(p)
             if not (chunk.delta_text or chunk.finished or logprobs):
                 continue
-            delta = {"content": chunk.delta_text} if chunk.delta_text else {}
-            yield payload({"index": chunk.index, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": finish(chunk.finish_reason), "stop_reason": chunk.stop_reason})
+            shaper = shapers[chunk.index]
+            deltas = shaper.feed(chunk.delta_text) if chunk.delta_text else []
+            reason = finish(chunk.finish_reason)
+            if chunk.finished:
+                tail, reason = shaper.finish(reason)
+                deltas += tail
+            if not deltas and (logprobs or chunk.finished):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):  # logprobs and the finish ride on the last delta of the chunk
+                last = i == len(deltas) - 1
+                yield payload({"index": chunk.index, "delta": delta, "logprobs": logprobs if last else None,
+                               "finish_reason": reason if last else None,
+                               "stop_reason": chunk.stop_reason if last else None})
         if include_usage:
             p = dict(base)
             p["choices"] = []

@@ -149,10 +149,53 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text = Field(description="the arguments as a JSON object's text")
+
+
+class MessageToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = Field(default=None, description="text, or text parts (no images)")
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=128,
+                                                     description="an assistant message's calls")
+    tool_call_id: Text | None = Field(default=None, description="a tool message: the call it answers (required)")
+    reasoning_content: Text | None = Field(default=None, description="an earlier assistant turn's reasoning "
+                                           "(accepted; not put back into the prompt)")
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        check_text(v)
+        return v
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatTemplateKwargs(_Request):
@@ -175,6 +218,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Text | None = Field(default=None,
                                        description="refused unless the server runs with --trust-request-chat-template")
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without; required/named are grammar-enforced")
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):

@@ -1,0 +1,298 @@
+"""Tools and reasoning in /v1/chat/completions: request checks, tool_choice -> grammar, output shaping.
+
+- ``tool_choice: "required"`` and a named function are enforced with xgrammar (``engine/structured.py``): the
+  output is JSON, ``{"name": NAME, "arguments": {...}}`` (one object per tool, ``const`` names, an array of
+  them when ``parallel_tool_calls``), or for a named function its arguments object alone. The call therefore
+  always parses and matches its schema, even from a model never trained on tools.
+- ``tool_choice: "auto"`` reads calls out of the content with the model family's tool parser
+  (``server/tools``); ``"none"`` (or no tools) leaves the content alone.
+- A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
+  the content only.
+
+`ChoiceShaper` turns one choice's text into the OpenAI message (``final``) or into stream deltas (``feed``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from tokenfab.server.errors import APIError
+from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
+from tokenfab.server.reasoning import CONTENT, ReasoningParser
+from tokenfab.server.tools import ContentDelta, ToolCallDelta, ToolParser, get_tool_parser
+from tokenfab.server.tools.base import new_call_id
+
+DEFAULT_TOOL_PARSER = "hermes"  # for models without a known tool format (e.g. the bundled SmolLM2)
+_EMPTY_OBJECT = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    """What a request asks of tools: ``mode`` is none, auto, required or named."""
+
+    mode: str
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI ``tools`` as plain dicts
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or _EMPTY_OBJECT
+
+
+def check_request(body: ChatCompletionRequest) -> ToolPlan:
+    """Validate tools, tool_choice and the tool messages (400s naming the field); return the plan."""
+    for i, m in enumerate(body.messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
+                           "answers)", param=f"messages[{i}].tool_call_id")
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                           param=f"messages[{i}].tool_calls")
+        if m.tool_call_id and m.role != "tool":
+            raise APIError(400, f"messages[{i}]: tool_call_id belongs on a tool message",
+                           param=f"messages[{i}].tool_call_id")
+        for j, call in enumerate(m.tool_calls or ()):
+            try:
+                ok = isinstance(json.loads(call.function.arguments), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
+                               param=f"messages[{i}].tool_calls[{j}].function.arguments")
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice")
+        return ToolPlan("none")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        name = t["function"]["name"]
+        if name in names:
+            raise APIError(400, f"tools[{i}]: the function name {name!r} is used twice", param=f"tools[{i}]")
+        names.add(name)
+        schema = t["function"].get("parameters")
+        if schema is None:
+            continue
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
+                           param=f"tools[{i}].function.parameters") from e
+        if schema.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must describe an object (type: object)",
+                           param=f"tools[{i}].function.parameters")
+    if choice is None or isinstance(choice, str):
+        return ToolPlan(choice or "auto", tools, parallel=body.parallel_tool_calls)
+    if choice.function.name not in names:
+        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                       f"({', '.join(sorted(names))})", param="tool_choice")
+    return ToolPlan("named", tools, named=choice.function.name, parallel=body.parallel_tool_calls)
+
+
+def grammar_format(plan: ToolPlan) -> ResponseFormat | None:
+    """The json_schema response_format that enforces a required/named tool_choice (None otherwise)."""
+    if plan.mode == "named":
+        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
+        schema = _parameters(tool)
+    elif plan.mode == "required":
+        one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 "arguments": _parameters(t)},
+                "required": ["name", "arguments"], "additionalProperties": False} for t in plan.tools]
+        schema = one[0] if len(one) == 1 else {"anyOf": one}
+        if plan.parallel:
+            schema = {"type": "array", "items": schema, "minItems": 1}
+    else:
+        return None
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="tool_call", schema=schema,
+                                                                           strict=True))
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as chat templates expect it: assistant ``tool_calls`` with arguments as a dict (as
+    Hugging Face templates read them), tool messages with ``tool_call_id``."""
+    conv = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": json.loads(c.function.arguments)}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        conv.append(msg)
+    return conv
+
+
+def _call_json(index: int | None, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if index is not None:
+        out = {"index": index, **out}
+    return out
+
+
+def _constrained_calls(plan: ToolPlan, parser: ToolParser | None, text: str) -> list[dict[str, Any]] | None:
+    """The calls of a grammar-constrained output, or None if it is not complete (e.g. cut by max_tokens).
+    Arguments are the generated text itself (as streamed), not a re-serialisation."""
+    if plan.mode == "named":
+        try:
+            ok = isinstance(json.loads(text), dict)
+        except ValueError:
+            ok = False
+        return [_call_json(None, new_call_id(), plan.named or "", text)] if ok else None
+    assert parser is not None
+    if plan.parallel:
+        text = _ArrayToSemicolons().feed(text)
+    parsed = parser.extract(text)
+    return [_call_json(None, c.id, c.name, c.arguments_json) for c in parsed.calls] or None
+
+
+class _ArrayToSemicolons:
+    """Rewrites a streamed JSON array of call objects as Llama-3 JSON calls (``{...};{...}``) so the
+    llama3_json stream parser can emit its deltas: drops the outer brackets, turns top-level commas into ``;``."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:  # per character of the delta only (a few per token)
+            if self.in_string:
+                self.escape = not self.escape and ch == "\\"
+                self.in_string = self.escape or ch != '"'
+                out.append(ch)
+                continue
+            if ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 1:
+                    continue
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    continue
+            elif ch == "," and self.depth == 1:
+                ch = ";"
+            out.append(ch)
+        return "".join(out)
+
+
+class ChoiceShaper:
+    """One choice's output -> OpenAI message fields (final) or delta dicts (streaming)."""
+
+    def __init__(self, plan: ToolPlan, tool_parser: str | None, reasoning: ReasoningParser | None) -> None:
+        self.plan = plan
+        self.reasoning = reasoning
+        self.parser: ToolParser | None = None
+        if plan.mode == "auto":
+            self.parser = get_tool_parser(tool_parser or DEFAULT_TOOL_PARSER, plan.tools)
+        elif plan.mode == "required":  # grammar output is Llama-3 JSON calls (an array rewritten by _ArrayTo...)
+            self.parser = get_tool_parser("llama3_json", plan.tools)
+        self._rstream = reasoning.stream() if reasoning is not None else None
+        self._tstream = self.parser.stream() if self.parser is not None else None
+        self._array = _ArrayToSemicolons() if plan.mode == "required" and plan.parallel else None
+        self._named_id: str | None = None
+        self.num_calls = 0
+        self._ids: dict[int, str] = {}
+
+    # ---- whole output ----
+    def final(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """``(message, finish_reason)`` for the complete output ``text``."""
+        message: dict[str, Any] = {"role": "assistant"}
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(text)
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        calls = None
+        if self.plan.constrained:
+            calls = _constrained_calls(self.plan, self.parser, content or "")
+        elif self.parser is not None and content:
+            parsed = self.parser.extract(content)
+            if parsed.calls:
+                content = parsed.content
+                calls = [_call_json(None, c.id, c.name, c.arguments_json) for c in parsed.calls]
+        if calls:
+            message["content"] = content if not self.plan.constrained and content else None
+            message["tool_calls"] = calls
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        else:
+            message["content"] = content if content is not None else ("" if self.reasoning is None else None)
+        return message, finish_reason
+
+    # ---- streaming ----
+    def feed(self, delta_text: str) -> list[dict[str, Any]]:
+        """The delta dicts for the next text delta (possibly none)."""
+        if self._rstream is None:
+            return self._content(delta_text)
+        out: list[dict[str, Any]] = []
+        for kind, piece in self._rstream.feed(delta_text):
+            out.extend(self._content(piece) if kind == CONTENT else [{"reasoning_content": piece,
+                                                                      "reasoning": piece}])
+        return out
+
+    def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """Flush what was held back; the finish_reason (``tool_calls`` once a call was sent and it stopped)."""
+        out: list[dict[str, Any]] = []
+        if self._rstream is not None:
+            for kind, piece in self._rstream.finish():
+                out.extend(self._content(piece) if kind == CONTENT else [{"reasoning_content": piece,
+                                                                          "reasoning": piece}])
+        if self._tstream is not None:
+            out.extend(self._tool_deltas(self._tstream.finish()))
+        if self.num_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return out, finish_reason
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        if self.plan.mode == "named":
+            out = []
+            if self._named_id is None:
+                self._named_id = new_call_id()
+                self.num_calls = 1
+                out.append({"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
+                                            "function": {"name": self.plan.named, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return out
+        if self._tstream is None:
+            return [{"content": text}]
+        if self._array is not None:
+            text = self._array.feed(text)
+        return self._tool_deltas(self._tstream.feed(text))
+
+    def _tool_deltas(self, deltas: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                if d.text:
+                    out.append({"content": d.text})
+            elif isinstance(d, ToolCallDelta):
+                call: dict[str, Any] = {"index": d.index}
+                if d.id is not None:
+                    self.num_calls = max(self.num_calls, d.index + 1)
+                    call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.arguments})
+                else:
+                    call["function"] = {"arguments": d.arguments}
+                if d.id is not None or d.arguments:
+                    out.append({"tool_calls": [call]})
+        return out
