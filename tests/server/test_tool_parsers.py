@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tokenfab.server.tools import (
     TOOL_PARSERS,
     ContentDelta,
+    ExtractedToolCalls,
     ToolCallDelta,
     assemble,
     get_tool_parser,
@@ -215,6 +216,13 @@ def test_cut_off_call_is_returned_as_content(family):
 def test_malformed_call_is_returned_as_content(family, text):
     out = get_tool_parser(family).extract(text)
     assert out.content == text and out.calls == []
+    # a call broken before its name was known never shows as a call: the stream gives the text back too
+    # (one whose name had streamed cannot be retracted; see tools/base.py)
+    deltas = _stream(get_tool_parser(family), list("Hi.\n" + text + " after"))
+    if not any(isinstance(d, ToolCallDelta) for d in deltas):
+        _same(assemble(deltas), ExtractedToolCalls(content="Hi.\n" + text + " after"))
+    else:
+        assert '"name": "f"' in text or "<｜tool▁sep｜>" in text  # only where the name came first
 
 
 @pytest.mark.parametrize(
@@ -401,6 +409,10 @@ def test_random_marker_soup_never_raises_and_valid_calls_stream_the_same(data, f
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     streamed = assemble(_stream(parser, pieces))
     if out.calls:
+        _same(streamed, out)
+    elif not streamed.calls and family not in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+        # nothing was a call: the stream gives the same content (the section-marker families may drop a stray
+        # section marker there when text separates it from a broken call; see split_blocks)
         _same(streamed, out)
 
 

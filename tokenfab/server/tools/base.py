@@ -11,8 +11,9 @@ shared here:
   `scan` keeps the content and each call's arguments prefix-stable (a partial marker or trailing whitespace
   that may still turn out to belong to a marker is held back), so for a well-formed output the deltas,
   concatenated, give exactly `extract`'s result. A call that is cut off after its header was streamed cannot
-  be retracted: it stays a call with the arguments sent; one cut off before its name was known is flushed
-  as content by `finish()`.
+  be retracted: it stays a call with the arguments sent; one cut off or malformed before its name was known
+  is flushed as content by `finish()`, with everything after it (so if it is the first call, the stream
+  gives the whole text as content, like `extract`).
 
 Whitespace between content and a call is dropped (the content before a call is right-stripped, the content
 after it left-stripped, pieces on both sides of a call joined by a newline); an output without calls is returned
@@ -126,14 +127,17 @@ def split_blocks(
         if b < 0:
             break
         segments.append(_drop(text[pos:b], drop))
+        # a section marker right before the call belongs to the call's raw text (content if the call is broken)
+        before = text[pos:b].rstrip()
+        r = next((len(before) - len(m) + pos for m in drop if before.endswith(m)), b)
         e = text.find(end, b + len(begin))
         if e < 0:
             body = text[b + len(begin) :]
             if not final:
                 body = body[: len(body) - partial_suffix_len(body, (end,))]
-            blocks.append((body, False, text[b:]))
+            blocks.append((body, False, text[r:]))
             return segments + [""], blocks
-        blocks.append((text[b + len(begin) : e], True, text[b : e + len(end)]))
+        blocks.append((text[b + len(begin) : e], True, text[r : e + len(end)]))
         pos = e + len(end)
     tail = text[pos:]
     if not final:
@@ -202,14 +206,18 @@ class ToolCallStream:
     def finish(self) -> list[Delta]:
         scan = self._parser.scan(self._text, final=True)
         out = self._emit(scan, final=True)
-        # a call whose name never became known was never announced: its text is content
-        leftover = "".join(c.raw for c in scan.calls[len(self._ids) :])
-        if leftover:
-            out.append(ContentDelta(leftover))
+        # a call whose name never became known was never announced: it and all after it are content
+        if len(scan.calls) > len(self._ids):
+            leftover = self._text[self._text.find(scan.calls[len(self._ids)].raw) :]
+            if leftover:
+                out.append(ContentDelta(leftover))
         return out
 
     def _emit(self, scan: Scan, final: bool) -> list[Delta]:
         out: list[Delta] = []
+        pending = next((i for i, c in enumerate(scan.calls) if c.name is None), None)
+        if pending is not None:  # nothing after a call whose name is not known yet
+            scan = Scan(scan.segments[: pending + 1], scan.calls[:pending])
         content = scan.content()
         if not final:
             content = content.rstrip()  # trailing whitespace is dropped if a call follows

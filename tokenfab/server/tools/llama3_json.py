@@ -28,11 +28,12 @@ class Llama3JsonToolParser(ToolParser):
         pos = start
         while True:
             js = scan_json_call(text, pos)
+            raw_from = len(head) if not calls else pos  # the first call's text includes the tag
             if js.end is None:
                 if js.name is not None or text[pos:].strip() or not calls:
-                    calls.append(PartialCall(js.name, js.args, False, text[pos:], valid=js.valid))
+                    calls.append(PartialCall(js.name, js.args, False, text[raw_from:], valid=js.valid))
                 break
-            calls.append(PartialCall(js.name, js.args, True, text[pos : js.end], valid=js.valid))
+            calls.append(PartialCall(js.name, js.args, True, text[raw_from : js.end], valid=js.valid))
             rest = text[js.end :].lstrip()
             if not rest:
                 break
