@@ -20,8 +20,8 @@
  *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8
  *     (d = amax / 127, q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
  *     product (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C) scaled by d_w * d_x; Q4_1 adds
- *     m_w * d_x * sum(q_x). The result equals quantize-dequantize(x) @ dequant(w).T up to float32
- *     summation order.
+ *     m_w * d_x * sum(q_x). The block terms are summed in float64 in a fixed order and rounded to
+ *     float32 once, so the result is bit for bit the torch reference's (ggml_matmul.py).
  *
  * Code paths, chosen at build time from the compiler's target (the library is built with
  * -march=native): AVX-512F (+ AVX512-VNNI/VL or AVX-VNNI for q8), AVX2 + FMA (+ F16C), and portable
@@ -65,13 +65,6 @@
 #define GG_VNNI 1
 #else
 #define GG_VNNI 0
-#endif
-
-/* q8 on 512-bit VNNI: two blocks a vpdpbusd (else one block a 256-bit one) */
-#if GG_AVX512 && GG_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define GG_Q8_512 1
-#else
-#define GG_Q8_512 0
 #endif
 
 enum { GQ8_0 = 0, GQ4_0 = 1, GQ4_1 = 2 };

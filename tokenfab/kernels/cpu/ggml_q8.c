@@ -1,16 +1,27 @@
 /* Packed GGML matmul with the activations quantized per 32-block to int8 (act="q8"): integer block
- * dot products (512-bit VNNI two blocks at a time, 256-bit VNNI, AVX2 maddubs, or plain C). Formats
- * and the quantization rule: ggml_common.h. */
+ * dot products (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C), then an exact-order float64 sum.
+ * Formats and the quantization rule: ggml_common.h.
+ *
+ * Why float64 in a fixed order: int8 activation rounding is chaotic (a 1-ulp change upstream flips
+ * some round(x / d)), so the kernel and its torch reference (ggml_matmul.py) must agree bit for bit,
+ * not to float32 summation order, or greedy paths part within a few tokens. Every block term is
+ * exact or one rounding in float64: (double)d_w * d_x is exact (11 + 24 bits), times the integer
+ * dot product (<= 19 bits) is exact for Q4 (<= 51 bits) and one IEEE rounding for Q8_0; Q4_1's
+ * (m_w * d_x) * sum(q_x) (<= 47 bits) is exact. Block b goes to lane b % 8 (blocks in order), the
+ * 8 lanes are summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), and the float32 result
+ * is one rounding of that. This file is built without -ffast-math's reassociation or FMA
+ * contraction for that arithmetic (Q8_EXACT). */
 #include "ggml_common.h"
 
-#define MQ 4 /* activation rows per tile of the q8 kernel (one 8-lane accumulator each) */
+#define MQ 4 /* activation rows per tile of the q8 kernel */
+#define Q8_EXACT __attribute__((optimize("no-fast-math", "fp-contract=off")))
 
 /* ---------- q8 activations ---------- */
 
-/* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and d * sum(q) s [M, K/32] */
+/* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and integer sum(q) sq [M, K/32] */
 /* exact IEEE division and rounding here: the reference (ggml_matmul.py) must reproduce every q */
 __attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const float *x, int64_t M, int64_t K,
-                                                                       int8_t *q, float *d, float *s) {
+                                                                       int8_t *q, float *d, int32_t *sq) {
 #pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WORK)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *xb = x + i * 32;
@@ -25,7 +36,7 @@ __attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const flo
             sum += (int)r;
         }
         d[i] = db;
-        s[i] = db * (float)sum;
+        sq[i] = sum;
     }
 }
 
@@ -52,187 +63,148 @@ AI __m256i wbytes(int qt, const uint8_t *b) {
     const __m256i v = _mm256_set_m128i(hi, lo);
     return qt == GQ4_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(8)) : v;
 }
-#endif
 
-#if GG_Q8_512
-/* blocks b0, b1 as 64 unsigned bytes: Q4 nibbles as they are (Q4_0's -8 is in the accumulator's
- * start value), Q8_0 offset by 128 (its -128 * sum(a) likewise) */
-AI __m512i wbytes2(int qt, const uint8_t *b0, const uint8_t *b1) {
-    if (qt == GQ8_0) {
-        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
-        return _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));
-    }
-    const int off = qt == GQ4_1 ? 4 : 2;
-    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + off))),
-                                              _mm_loadu_si128((const __m128i *)(b1 + off)), 1);
-    const __m256i lo = _mm256_and_si256(y, _mm256_set1_epi8(15));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y, 4), _mm256_set1_epi8(15));
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* lo0 lo1 hi0 hi1 */
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));             /* lo0 hi0 lo1 hi1 */
+/* 8 vectors of 8 int32 lanes -> their 8 sums, in order (integer: exact in any order) */
+AI __m256i hsum8x8(const __m256i v[8]) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
 }
 #endif
 
-/* da16 [mt][nb/2][16]: the activation scales of block pairs, each over its 8 lanes; ci (Q4_0,
- * Q8_0) the accumulators' start values, -offset * (lane sums of q). Both NULL without GG_Q8_512. */
-AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const float *d, const float *s, int64_t K,
-                    float *res, int64_t N, const float *da16, const int32_t *ci) {
-    const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
-    float accm[MQ] = {0}, acc2[MQ] = {0};
-    int64_t b = 0;
-#if GG_Q8_512
-    {
-        const int64_t np = nb / 2;
-        __m512 a5[MQ];
-        for (int m = 0; m < mt; m++) a5[m] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < np; p++) {
-            const uint8_t *b0 = wr + 2 * p * bb, *b1 = b0 + bb;
-            const __m512i wz = wbytes2(qt, b0, b1);
-            const __m512 dw2 =
-                _mm512_insertf32x8(_mm512_set1_ps(half_to_float(b0)), _mm256_set1_ps(half_to_float(b1)), 1);
-            for (int m = 0; m < mt; m++) {
-                const int64_t o = (m * np + p) * 16;
-                const __m512i init = qt == GQ4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512(ci + o);
-                const __m512i dot = _mm512_dpbusd_epi32(init, wz, _mm512_loadu_si512(q + m * K + p * 64));
-                a5[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw2, _mm512_loadu_ps(da16 + o)), a5[m]);
-            }
-            if (qt == GQ4_1) {
-                const float m0 = half_to_float(b0 + 2), m1 = half_to_float(b1 + 2);
-                for (int m = 0; m < mt; m++) accm[m] += m0 * s[m * nb + 2 * p] + m1 * s[m * nb + 2 * p + 1];
-            }
-        }
-        for (int m = 0; m < mt; m++) acc2[m] = _mm512_reduce_add_ps(a5[m]);
-        b = 2 * np;
-    }
-#else
-    (void)da16;
-    (void)ci;
-#endif
+/* is[m][j] = integer dot product of weight block g + j (j < gl; 0 beyond) with activation row m */
+AI void block_dots(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, int64_t K, int32_t is[MQ][8]) {
+    const int64_t bb = BLOCK_BYTES[qt];
 #if GG_AVX512 || GG_AVX2
-    __m256 acc[MQ];
-    for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
-    for (; b < nb; b++) {
-        const uint8_t *blk = wr + b * bb;
-        const float dw = half_to_float(blk);
-        const __m256i wv = wbytes(qt, blk);
+    __m256i dots[MQ][8];
+    for (int j = 0; j < 8; j++) {
+        if (j >= gl) {
+            for (int m = 0; m < mt; m++) dots[m][j] = _mm256_setzero_si256();
+            continue;
+        }
+        const __m256i wv = wbytes(qt, wg + j * bb);
         const __m256i wu = qt == GQ4_1 ? wv : _mm256_sign_epi8(wv, wv); /* |w| */
         for (int m = 0; m < mt; m++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(q + m * K + b * 32));
+            __m256i a = _mm256_loadu_si256((const __m256i *)(qg + m * K + j * 32));
             if (qt != GQ4_1) a = _mm256_sign_epi8(a, wv); /* sign(w) * a: |w| * (sign(w) * a) = w * a */
-            const __m256 dot = _mm256_cvtepi32_ps(dot_us(wu, a));
-            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * d[m * nb + b]), acc[m]);
-        }
-        if (qt == GQ4_1) {
-            const float mw = half_to_float(blk + 2);
-            for (int m = 0; m < mt; m++) accm[m] += mw * s[m * nb + b];
+            dots[m][j] = dot_us(wu, a);
         }
     }
-    for (int m = 0; m < mt; m++) {
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        res[m * N] = (_mm_cvtss_f32(v) + acc2[m]) + accm[m];
-    }
+    for (int m = 0; m < mt; m++) _mm256_storeu_si256((__m256i *)is[m], hsum8x8(dots[m]));
 #else
-    float acc[MQ] = {0};
-    (void)acc2;
-    for (; b < nb; b++) {
-        const uint8_t *blk = wr + b * bb;
-        const float dw = half_to_float(blk);
+    for (int j = 0; j < 8; j++) {
+        if (j >= gl) {
+            for (int m = 0; m < mt; m++) is[m][j] = 0;
+            continue;
+        }
+        const uint8_t *blk = wg + j * bb;
         int8_t wq[32];
         if (qt == GQ8_0) {
             memcpy(wq, blk + 2, 32);
         } else {
             const uint8_t *p = blk + (qt == GQ4_1 ? 4 : 2);
             const int off = qt == GQ4_0 ? 8 : 0;
-            for (int j = 0; j < 16; j++) {
-                wq[j] = (int8_t)((p[j] & 15) - off);
-                wq[j + 16] = (int8_t)((p[j] >> 4) - off);
+            for (int i = 0; i < 16; i++) {
+                wq[i] = (int8_t)((p[i] & 15) - off);
+                wq[i + 16] = (int8_t)((p[i] >> 4) - off);
             }
         }
         for (int m = 0; m < mt; m++) {
-            const int8_t *a = q + m * K + b * 32;
+            const int8_t *a = qg + m * K + j * 32;
             int32_t dot = 0;
-            for (int j = 0; j < 32; j++) dot += (int32_t)wq[j] * a[j];
-            acc[m] += (dw * d[m * nb + b]) * (float)dot;
-        }
-        if (qt == GQ4_1) {
-            const float mw = half_to_float(blk + 2);
-            for (int m = 0; m < mt; m++) accm[m] += mw * s[m * nb + b];
+            for (int i = 0; i < 32; i++) dot += (int32_t)wq[i] * a[i];
+            is[m][j] = dot;
         }
     }
-    for (int m = 0; m < mt; m++) res[m * N] = acc[m] + accm[m];
 #endif
 }
 
-#define GEMV_Q8_CASE(QT)                                                    \
-    switch (mt) {                                                           \
-    case 1: gemv_row_q8(QT, 1, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
-    case 2: gemv_row_q8(QT, 2, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
-    case 3: gemv_row_q8(QT, 3, wr, qm, dm, sm, K, res, N, dam, cim); break;           \
-    default: gemv_row_q8(QT, 4, wr, qm, dm, sm, K, res, N, dam, cim); break;          \
+/* one weight row against mt activation rows (the order of the sums: top of file) */
+Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const float *d, const int32_t *sq,
+                             int64_t K, float *res, int64_t N) {
+    const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
+    double acc[MQ][8];
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < 8; j++) acc[m][j] = 0.0;
+    for (int64_t g = 0; g < nb; g += 8) {
+        const int gl = nb - g < 8 ? (int)(nb - g) : 8;
+        double dw[8] = {0}, mw[8] = {0};
+        for (int j = 0; j < gl; j++) {
+            dw[j] = half_to_float(wr + (g + j) * bb);
+            if (qt == GQ4_1) mw[j] = half_to_float(wr + (g + j) * bb + 2);
+        }
+        int32_t is[MQ][8];
+        block_dots(qt, mt, wr + g * bb, gl, q + g * 32, K, is);
+        for (int m = 0; m < mt; m++) {
+            double dx[8] = {0}, sx[8] = {0};
+            for (int j = 0; j < gl; j++) {
+                dx[j] = d[m * nb + g + j];
+                sx[j] = sq[m * nb + g + j];
+            }
+            for (int j = 0; j < 8; j++) {
+                double t = (dw[j] * dx[j]) * (double)is[m][j];
+                if (qt == GQ4_1) t += (mw[j] * dx[j]) * sx[j];
+                acc[m][j] += t;
+            }
+        }
     }
+    for (int m = 0; m < mt; m++) {
+        const double *a = acc[m];
+        res[m * N] = (float)(((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])));
+    }
+}
+
+#define GEMV_Q8_CASE(QT)                                              \
+    switch (mt) {                                                     \
+    case 1: gemv_row_q8(QT, 1, wr, qm, dm, sm, K, res, N); break;     \
+    case 2: gemv_row_q8(QT, 2, wr, qm, dm, sm, K, res, N); break;     \
+    case 3: gemv_row_q8(QT, 3, wr, qm, dm, sm, K, res, N); break;     \
+    default: gemv_row_q8(QT, 4, wr, qm, dm, sm, K, res, N); break;    \
+    }
+
+/* weight rows [n0, n1) against activation rows [m0, m0 + mt): a function of its own so that the
+ * OpenMP body below calls code built with Q8_EXACT's options */
+Q8_EXACT __attribute__((noinline)) static void gemv_rows_q8(int qt, int mt, const uint8_t *w, int64_t rb,
+                                                            int64_t n0, int64_t n1, const int8_t *qm,
+                                                            const float *dm, const int32_t *sm, int64_t K,
+                                                            float *out, int64_t N) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * rb;
+        float *res = out + n;
+        if (qt == GQ8_0) {
+            GEMV_Q8_CASE(GQ8_0)
+        } else if (qt == GQ4_0) {
+            GEMV_Q8_CASE(GQ4_0)
+        } else {
+            GEMV_Q8_CASE(GQ4_1)
+        }
+    }
+}
 
 /* x [M, K] quantized per 32-block to int8, then integer block dot products with w */
 int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt];
     int8_t *q = malloc((size_t)(M * K) + 1);
-    float *d = malloc(sizeof(float) * (size_t)(M * nb) * 2 + sizeof(float));
-    if (!q || !d) {
+    float *d = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(float));
+    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(M * nb) + sizeof(int32_t));
+    if (!q || !d || !sq) {
         free(q);
         free(d);
+        free(sq);
         return TF_ENOMEM;
     }
-    float *s = d + M * nb;
-    quantize_rows_q8(x, M, K, q, d, s);
-    const int64_t np = nb / 2;
-    float *da16 = NULL;
-    int32_t *ci = NULL;
-#if GG_Q8_512
-    da16 = malloc(sizeof(float) * (size_t)(M * np * 16) + 64);
-    ci = malloc(sizeof(int32_t) * (size_t)(M * np * 16) + 64);
-    if (!da16 || !ci) {
-        free(q);
-        free(d);
-        free(da16);
-        free(ci);
-        return TF_ENOMEM;
-    }
-    const int32_t offset = qt == GQ8_0 ? 128 : (qt == GQ4_0 ? 8 : 0);
-    for (int64_t i = 0; i < M * np; i++) {
-        const int64_t m = i / np, p = i % np;
-        _mm512_storeu_ps(da16 + i * 16, _mm512_insertf32x8(_mm512_set1_ps(d[m * nb + 2 * p]),
-                                                           _mm256_set1_ps(d[m * nb + 2 * p + 1]), 1));
-        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
-                                                  _mm512_loadu_si512(q + m * K + p * 64));
-        _mm512_storeu_si512(ci + i * 16, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(-offset)));
-    }
-#endif
+    quantize_rows_q8(x, M, K, q, d, sq);
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {
             const int mt = M - m0 < MQ ? (int)(M - m0) : MQ;
-            const int8_t *qm = q + m0 * K;
-            const float *dm = d + m0 * nb, *sm = s + m0 * nb, *dam = da16 ? da16 + m0 * np * 16 : NULL;
-            const int32_t *cim = ci ? ci + m0 * np * 16 : NULL;
-            for (int64_t n = c * NC; n < n1; n++) {
-                const uint8_t *wr = w + n * rb;
-                float *res = out + m0 * N + n;
-                if (qt == GQ8_0) {
-                    GEMV_Q8_CASE(GQ8_0)
-                } else if (qt == GQ4_0) {
-                    GEMV_Q8_CASE(GQ4_0)
-                } else {
-                    GEMV_Q8_CASE(GQ4_1)
-                }
-            }
+            gemv_rows_q8(qt, mt, w, rb, c * NC, n1, q + m0 * K, d + m0 * nb, sq + m0 * nb, K, out + m0 * N, N);
         }
     }
     free(q);
     free(d);
-    free(da16);
-    free(ci);
+    free(sq);
     return TF_OK;
 }
