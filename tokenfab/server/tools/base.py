@@ -163,6 +163,13 @@ class ToolParser(ABC):
     """Splits one model family's output into content and tool calls."""
 
     name: str = ""
+    # every marker whose presence (or partial presence at the end) can start a call or be dropped from content;
+    # while none has appeared, streaming passes text through without rescanning (see ToolCallStream)
+    triggers: tuple[str, ...] = ()
+
+    def plain_start(self, text: str) -> bool:
+        """False when the start of the output alone makes it a call (Llama-3's leading ``{``)."""
+        return True
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         """`tools`: the request's OpenAI ``tools`` list, for formats whose values need the schema (GLM)."""
@@ -198,10 +205,37 @@ class ToolCallStream:
         self._content_sent = 0
         self._ids: list[str] = []
         self._args_sent: list[int] = []
+        self._plain = bool(parser.triggers)  # no trigger seen yet: the fast path applies
+        self._checked = 0  # text[:_checked] holds no trigger
+        self._longest = max((len(t) for t in parser.triggers), default=0)
 
     def feed(self, delta: str) -> list[Delta]:
         self._text += delta
+        if self._plain:
+            fast = self._plain_feed()
+            if fast is not None:
+                return fast
         return self._emit(self._parser.scan(self._text, final=False), final=False)
+
+    def _plain_feed(self) -> list[Delta] | None:
+        """Plain text so far: emit it up to a possible partial trigger and trailing whitespace, looking only at
+        the new text (so a long answer without calls costs O(delta) a step, not a rescan). None: use `scan`."""
+        text, parser = self._text, self._parser
+        lo = max(0, self._checked - self._longest)
+        if any(text.find(t, lo) >= 0 for t in parser.triggers) or not parser.plain_start(text):
+            self._plain = False
+            return None
+        if text.isspace():
+            return None
+        self._checked = len(text)
+        end = len(text) - partial_suffix_len(text[-self._longest :], parser.triggers)
+        while end > self._content_sent and text[end - 1].isspace():
+            end -= 1
+        if end <= self._content_sent:
+            return []
+        out: list[Delta] = [ContentDelta(text[self._content_sent : end])]
+        self._content_sent = end
+        return out
 
     def finish(self) -> list[Delta]:
         scan = self._parser.scan(self._text, final=True)

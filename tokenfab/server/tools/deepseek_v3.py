@@ -13,6 +13,7 @@ FENCE = "```"
 
 class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
+    triggers = (CALL_BEGIN, CALLS_BEGIN, CALLS_END)
 
     def scan(self, text: str, final: bool) -> Scan:
         segments, blocks = split_blocks(text, CALL_BEGIN, CALL_END, final, drop=(CALLS_BEGIN, CALLS_END))

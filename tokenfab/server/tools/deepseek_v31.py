@@ -10,6 +10,7 @@ from tokenfab.server.tools.deepseek_v3 import CALL_BEGIN, CALL_END, CALLS_BEGIN,
 
 class DeepSeekV31ToolParser(ToolParser):
     name = "deepseek_v31"
+    triggers = (CALL_BEGIN, CALLS_BEGIN, CALLS_END)
 
     def scan(self, text: str, final: bool) -> Scan:
         segments, blocks = split_blocks(text, CALL_BEGIN, CALL_END, final, drop=(CALLS_BEGIN, CALLS_END))

@@ -39,6 +39,7 @@ def _find_call(text: str, final: bool) -> tuple[int, int | None] | None:
 
 class GigaChat3ToolParser(ToolParser):
     name = "gigachat3"
+    triggers = MARKERS
 
     def scan(self, text: str, final: bool) -> Scan:
         found = _find_call(text, final)

@@ -48,6 +48,7 @@ def _string_params(tools: list[dict] | None) -> dict[str, frozenset[str]]:
 
 class Glm45ToolParser(ToolParser):
     name = "glm45"
+    triggers = (BEGIN,)
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)

@@ -11,6 +11,7 @@ BEGIN, END = "<tool_call>", "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    triggers = (BEGIN,)
 
     def scan(self, text: str, final: bool) -> Scan:
         segments, blocks = split_blocks(text, BEGIN, END, final)

@@ -18,6 +18,7 @@ def name_from_id(call_id: str) -> str:
 
 class KimiK2ToolParser(ToolParser):
     name = "kimi_k2"
+    triggers = (CALL_BEGIN, SECTION_BEGIN, SECTION_END)
 
     def scan(self, text: str, final: bool) -> Scan:
         segments, blocks = split_blocks(text, CALL_BEGIN, CALL_END, final, drop=(SECTION_BEGIN, SECTION_END))

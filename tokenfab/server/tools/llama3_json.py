@@ -4,14 +4,21 @@ JSON-based tool calling). Without the tag, only an output that starts with ``{``
 
 from __future__ import annotations
 
+import re
+
 from tokenfab.server.tools.base import PartialCall, Scan, ToolParser, partial_suffix_len
 from tokenfab.server.tools.json_call import scan_json_call
 
 PYTHON_TAG = "<|python_tag|>"
+_CALL_START = re.compile(r"\s*\{")
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    triggers = (PYTHON_TAG,)
+
+    def plain_start(self, text: str) -> bool:
+        return _CALL_START.match(text) is None
 
     def scan(self, text: str, final: bool) -> Scan:
         # an output that starts with "{" is calls from its first character (streaming cannot wait for a tag
