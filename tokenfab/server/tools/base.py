@@ -241,10 +241,8 @@ class ToolCallStream:
         scan = self._parser.scan(self._text, final=True)
         out = self._emit(scan, final=True)
         # a call whose name never became known was never announced: it and all after it are content
-        if len(scan.calls) > len(self._ids):
-            leftover = self._text[self._text.find(scan.calls[len(self._ids)].raw) :]
-            if leftover:
-                out.append(ContentDelta(leftover))
+        if len(scan.calls) > len(self._ids) and (raw := scan.calls[len(self._ids)].raw):
+            out.append(ContentDelta(self._text[self._text.find(raw) :]))
         return out
 
     def _emit(self, scan: Scan, final: bool) -> list[Delta]:
