@@ -1,9 +1,10 @@
 """Tools and reasoning in /v1/chat/completions: request checks, tool_choice -> grammar, output shaping.
 
 - ``tool_choice: "required"`` and a named function are enforced with xgrammar (``engine/structured.py``): the
-  output is JSON, ``{"name": NAME, "arguments": {...}}`` (one object per tool, ``const`` names, an array of
-  them when ``parallel_tool_calls``), or for a named function its arguments object alone. The call therefore
-  always parses and matches its schema, even from a model never trained on tools.
+  output is JSON, Llama-3's ``{"name": NAME, "parameters": {...}}`` (one object per tool, ``const`` names, an
+  array of them when ``parallel_tool_calls``; "parameters", not "arguments", because the grammar compiler
+  sorts keys and the name must come first to stream), or for a named function its arguments object alone.
+  The call therefore always parses and matches its schema, even from a model never trained on tools.
 - ``tool_choice: "auto"`` reads calls out of the content with the model family's tool parser
   (``server/tools``); ``"none"`` (or no tools) leaves the content alone.
 - A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
@@ -106,8 +107,8 @@ def grammar_format(plan: ToolPlan) -> ResponseFormat | None:
         schema = _parameters(tool)
     elif plan.mode == "required":
         one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "arguments": _parameters(t)},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in plan.tools]
+                                                 "parameters": _parameters(t)},
+                "required": ["name", "parameters"], "additionalProperties": False} for t in plan.tools]
         schema = one[0] if len(one) == 1 else {"anyOf": one}
         if plan.parallel:
             schema = {"type": "array", "items": schema, "minItems": 1}

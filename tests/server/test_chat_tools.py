@@ -1,0 +1,206 @@
+"""Tools in /v1/chat/completions, end to end on the bundled model with the official openai client (the live
+in-process server of conftest.py), plus unit tests of chat_tools' output shaping.
+
+The bundled SmolLM2 was never trained on tools: `required` and a named tool_choice must still return calls
+whose arguments validate against the tool's schema, because xgrammar constrains the decoding."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tokenfab.server.chat_tools import ChoiceShaper, ToolPlan
+from tokenfab.server.reasoning import get_reasoning_parser
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD,
+                                      "strict": True}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_calls(calls: list) -> None:
+    assert calls
+    for c in calls:
+        assert c.id.startswith("call_") and c.type == "function"
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_returns_valid_calls(client: openai.OpenAI, parallel: bool) -> None:
+    r = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=parallel, max_tokens=120, temperature=0.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    _check_calls(choice.message.tool_calls)
+    if not parallel:
+        assert len(choice.message.tool_calls) == 1
+
+
+def test_named_returns_that_tool(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0,
+                                       tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls] == ["add"]
+    _check_calls(choice.message.tool_calls)
+
+
+def _stream_calls(client: openai.OpenAI, **kw) -> tuple[dict[int, dict], str | None, str]:
+    calls: dict[int, dict] = {}
+    finish = None
+    content = ""
+    for chunk in client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, stream=True,
+                                                temperature=0.0, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or ():
+                if tc.id is not None:  # the first delta of a call: id and name, before any argument
+                    assert tc.index not in calls and tc.function.name
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "args": tc.function.arguments or ""}
+                else:
+                    calls[tc.index]["args"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return calls, finish, content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_validate(client: openai.OpenAI, choice) -> None:
+    calls, finish, content = _stream_calls(client, tool_choice=choice, max_tokens=120)
+    assert finish == "tool_calls" and content == ""
+    assert calls
+    for c in calls.values():
+        assert c["id"].startswith("call_")
+        jsonschema.validate(json.loads(c["args"]), SCHEMAS[c["name"]])
+    if isinstance(choice, dict):
+        assert [c["name"] for c in calls.values()] == ["get_weather"]
+    # the same request unstreamed gives the same calls (greedy)
+    r = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                                       temperature=0.0)
+    assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == [
+        (c["name"], c["args"]) for c in calls.values()]
+
+
+def test_two_turn_tool_conversation(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg = r.choices[0].message
+    call = msg.tool_calls[0]
+    messages = [*ASK, msg.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    r2 = client.chat.completions.create(model=None, messages=messages, tools=TOOLS, max_tokens=16,
+                                        temperature=0.0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
+    # tool_choice none: plain content even with tools
+    r3 = client.chat.completions.create(model=None, messages=messages, tools=TOOLS, tool_choice="none",
+                                        max_tokens=8, temperature=0.0)
+    assert r3.choices[0].message.tool_calls is None and r3.choices[0].message.content
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                             "properties": {"x": {"type": 5}}}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "content": "21"}]}, "messages[1].tool_call_id"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_are_400(client: openai.OpenAI, kw: dict, param: str) -> None:
+    kw = {"messages": ASK, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=None, max_tokens=4, **kw)
+    assert e.value.body["param"] == param, e.value.body
+
+
+# ---- chat_tools unit tests: auto with a parser-triggering output, reasoning ----
+
+TOOL_DICTS = TOOLS
+
+
+def test_auto_hermes_final_and_stream_agree() -> None:
+    out = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}\n' \
+          '</tool_call>'
+    plan = ToolPlan("auto", TOOL_DICTS)
+    msg, reason = ChoiceShaper(plan, "hermes", None).final(out, "stop")
+    assert reason == "tool_calls" and msg["content"] == "Let me check."
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Lima", "unit": "celsius"}
+    s = ChoiceShaper(plan, "hermes", None)
+    deltas = [d for ch in out for d in s.feed(ch)]
+    tail, reason = s.finish("stop")
+    deltas += tail
+    assert reason == "tool_calls"
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", ()))
+    assert args == call["function"]["arguments"]
+
+
+def test_auto_without_call_is_content() -> None:
+    plan = ToolPlan("auto", TOOL_DICTS)
+    msg, reason = ChoiceShaper(plan, "hermes", None).final("It is sunny. <tool_call>{\"name\": ", "length")
+    assert reason == "length" and "tool_calls" not in msg
+    assert msg["content"] == "It is sunny. <tool_call>{\"name\": "
+
+
+def test_reasoning_split_and_tools_from_content_only() -> None:
+    out = '<think>maybe <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call></think>It is 21C.'
+    reasoning = get_reasoning_parser("deepseek_r1")
+    plan = ToolPlan("auto", TOOL_DICTS)
+    msg, reason = ChoiceShaper(plan, "hermes", reasoning).final(out, "stop")
+    assert reason == "stop" and "tool_calls" not in msg
+    assert msg["content"] == "It is 21C."
+    assert msg["reasoning_content"] == msg["reasoning"] and msg["reasoning_content"].startswith("maybe")
+    s = ChoiceShaper(plan, "hermes", get_reasoning_parser("deepseek_r1"))
+    deltas = [d for ch in out for d in s.feed(ch)]
+    tail, reason = s.finish("stop")
+    deltas += tail
+    assert reason == "stop"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == "It is 21C."
+
+
+def test_required_array_stream_with_commas_in_strings() -> None:
+    out = ('[{"name":"get_weather","parameters":{"city":"a,]}b","unit":"celsius"}},'
+           '{"name":"add","parameters":{"a":1,"b":2}}]')
+    plan = ToolPlan("required", TOOL_DICTS, parallel=True)
+    msg, reason = ChoiceShaper(plan, None, None).final(out, "stop")
+    assert reason == "tool_calls" and msg["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        {"city": "a,]}b", "unit": "celsius"}, {"a": 1, "b": 2}]
+    s = ChoiceShaper(plan, None, None)
+    deltas = [d for ch in out for d in s.feed(ch)]
+    deltas += s.finish("stop")[0]
+    args: dict[int, str] = {}
+    for d in deltas:
+        assert "content" not in d
+        for tc in d["tool_calls"]:
+            args[tc["index"]] = args.get(tc["index"], "") + tc["function"]["arguments"]
+    assert [args[0], args[1]] == [c["function"]["arguments"] for c in msg["tool_calls"]]
