@@ -126,10 +126,10 @@ def test_two_turn_tool_conversation(client: openai.OpenAI) -> None:
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                              "properties": {"x": {"type": 5}}}}}]},
-     "tools[0].function.parameters"),
+     "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "content": "21"}]}, "messages[1].tool_call_id"),
+     "tools.0.function.parameters"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "tool", "content": "21"}]}, "messages.1.tool_call_id"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_bad_tool_requests_are_400(client: openai.OpenAI, kw: dict, param: str) -> None:

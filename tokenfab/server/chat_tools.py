@@ -54,13 +54,13 @@ def check_request(body: ChatCompletionRequest) -> ToolPlan:
     for i, m in enumerate(body.messages):
         if m.role == "tool" and not m.tool_call_id:
             raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
-                           "answers)", param=f"messages[{i}].tool_call_id")
-        if m.tool_calls and m.role != "assistant":
+                           "answers)", param=f"messages.{i}.tool_call_id")
+        if m.tool_calls is not None and m.role != "assistant":
             raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
-                           param=f"messages[{i}].tool_calls")
-        if m.tool_call_id and m.role != "tool":
+                           param=f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
             raise APIError(400, f"messages[{i}]: tool_call_id belongs on a tool message",
-                           param=f"messages[{i}].tool_call_id")
+                           param=f"messages.{i}.tool_call_id")
         for j, call in enumerate(m.tool_calls or ()):
             try:
                 ok = isinstance(json.loads(call.function.arguments), dict)
@@ -68,7 +68,7 @@ def check_request(body: ChatCompletionRequest) -> ToolPlan:
                 ok = False
             if not ok:
                 raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
-                               param=f"messages[{i}].tool_calls[{j}].function.arguments")
+                               param=f"messages.{i}.tool_calls.{j}.function.arguments")
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
@@ -79,7 +79,8 @@ def check_request(body: ChatCompletionRequest) -> ToolPlan:
     for i, t in enumerate(tools):
         name = t["function"]["name"]
         if name in names:
-            raise APIError(400, f"tools[{i}]: the function name {name!r} is used twice", param=f"tools[{i}]")
+            raise APIError(400, f"tools[{i}]: the function name {name!r} is used twice",
+                           param=f"tools.{i}.function.name")
         names.add(name)
         schema = t["function"].get("parameters")
         if schema is None:
@@ -88,10 +89,10 @@ def check_request(body: ChatCompletionRequest) -> ToolPlan:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
             raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
-                           param=f"tools[{i}].function.parameters") from e
+                           param=f"tools.{i}.function.parameters") from e
         if schema.get("type", "object") != "object":
             raise APIError(400, f"tools[{i}].function.parameters must describe an object (type: object)",
-                           param=f"tools[{i}].function.parameters")
+                           param=f"tools.{i}.function.parameters")
     if choice is None or isinstance(choice, str):
         return ToolPlan(choice or "auto", tools, parallel=body.parallel_tool_calls)
     if choice.function.name not in names:
