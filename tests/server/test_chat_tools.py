@@ -204,3 +204,21 @@ def test_required_array_stream_with_commas_in_strings() -> None:
         for tc in d["tool_calls"]:
             args[tc["index"]] = args.get(tc["index"], "") + tc["function"]["arguments"]
     assert [args[0], args[1]] == [c["function"]["arguments"] for c in msg["tool_calls"]]
+
+
+def test_parser_names_by_model_type_and_flags() -> None:
+    from types import SimpleNamespace
+
+    from tokenfab.server.app import ServerConfig
+    from tokenfab.server.chat import parser_names
+
+    def server(model_type: str, template: str, **flags) -> SimpleNamespace:
+        engine = SimpleNamespace(engine=SimpleNamespace(config={"model_type": model_type, "architectures": []}))
+        return SimpleNamespace(engine=engine, tokenizer=SimpleNamespace(chat_template=template),
+                               config=ServerConfig(**flags))
+
+    assert parser_names(server("qwen3", "{% if tools %}<tool_call>{% endif %}")) == ("hermes", "qwen3")
+    assert parser_names(server("llama", "{{ messages }}")) == ("hermes", None)  # no tool format: Hermes
+    assert parser_names(server("llama", "{% if tools %}{% endif %}")) == ("llama3_json", None)
+    assert parser_names(server("llama", "x", tool_call_parser="kimi_k2", reasoning_parser="deepseek_r1")) == (
+        "kimi_k2", "deepseek_r1")

@@ -204,7 +204,7 @@ class ChoiceShaper:
         self.plan = plan
         self.reasoning = reasoning
         self.parser: ToolParser | None = None
-        if plan.mode == "auto":
+        if plan.mode == "auto" and tool_parser != "openai":  # GPT-OSS (Harmony, on token ids): not wired yet
             self.parser = get_tool_parser(tool_parser or DEFAULT_TOOL_PARSER, plan.tools)
         elif plan.mode == "required":  # grammar output is Llama-3 JSON calls (an array rewritten by _ArrayTo...)
             self.parser = get_tool_parser("llama3_json", plan.tools)

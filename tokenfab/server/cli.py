@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="answer 400 to a completion request with more prompts than this (default 256)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests pass their own chat_template (default: refused with a 400)")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "gigachat3"],
+                   help="how tool calls are read from the output with tool_choice auto (default: by model type)")
+    g.add_argument("--reasoning-parser", default=None,
+                   choices=["deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2", "gpt_oss"],
+                   help="split reasoning_content off the output (default: by model type)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish (default 30)")
     g.add_argument("--engine-in-process", action="store_true",
@@ -146,7 +152,9 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
     config = ServerConfig(api_key=args.api_key or None, max_waiting=args.max_waiting,
                           drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
                           max_prompts_per_request=args.max_prompts_per_request,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          tool_call_parser=getattr(args, "tool_call_parser", None),
+                          reasoning_parser=getattr(args, "reasoning_parser", None))
     app = build_app(async_engine, config)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

@@ -41,6 +41,8 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_prompts_per_request: int = 256
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None  # None: by model type (server/chat.py parser_names)
+    reasoning_parser: str | None = None
 
 
 class OpenAIServer:
