@@ -119,11 +119,113 @@ AI void block_dots(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, 
 #endif
 }
 
+#if GG_AVX512 || GG_AVX2
+/* the float16 scales at byte offset off of blocks g .. g + gl - 1 (0 beyond) as 8 floats */
+AI __m256 scales8(const uint8_t *wg, int64_t bb, int off, int gl) {
+#if defined(__F16C__)
+    if (gl == 8) { /* pinsrw from memory: no store-forwarding stall through a small array */
+        uint16_t h[8];
+        for (int j = 0; j < 8; j++) memcpy(&h[j], wg + j * bb + off, 2);
+        __m128i v = _mm_cvtsi32_si128(h[0]);
+        v = _mm_insert_epi16(v, h[1], 1);
+        v = _mm_insert_epi16(v, h[2], 2);
+        v = _mm_insert_epi16(v, h[3], 3);
+        v = _mm_insert_epi16(v, h[4], 4);
+        v = _mm_insert_epi16(v, h[5], 5);
+        v = _mm_insert_epi16(v, h[6], 6);
+        v = _mm_insert_epi16(v, h[7], 7);
+        return _mm256_cvtph_ps(v);
+    }
+#endif
+    float f[8] = {0};
+    for (int j = 0; j < gl; j++) f[j] = half_to_float(wg + j * bb + off);
+    return _mm256_loadu_ps(f);
+}
+
+/* 8 float64 lanes: the block terms of one group; lane j += (dw_j * dx_j) * is_j (+ (mw_j * dx_j) * sx_j) */
+#if GG_AVX512
+typedef __m512d vd8;
+AI vd8 vd8_zero(void) { return _mm512_setzero_pd(); }
+AI vd8 vd8_ps(__m256 v) { return _mm512_cvtps_pd(v); }
+AI vd8 vd8_epi32(__m256i v) { return _mm512_cvtepi32_pd(v); }
+AI vd8 vd8_mul(vd8 a, vd8 b) { return _mm512_mul_pd(a, b); }
+AI vd8 vd8_add(vd8 a, vd8 b) { return _mm512_add_pd(a, b); }
+AI void vd8_store(double *p, vd8 a) { _mm512_storeu_pd(p, a); }
+#else
+typedef struct { __m256d lo, hi; } vd8;
+AI vd8 vd8_zero(void) { return (vd8){_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+AI vd8 vd8_ps(__m256 v) { return (vd8){_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))}; }
+AI vd8 vd8_epi32(__m256i v) {
+    return (vd8){_mm256_cvtepi32_pd(_mm256_castsi256_si128(v)), _mm256_cvtepi32_pd(_mm256_extracti128_si256(v, 1))};
+}
+AI vd8 vd8_mul(vd8 a, vd8 b) { return (vd8){_mm256_mul_pd(a.lo, b.lo), _mm256_mul_pd(a.hi, b.hi)}; }
+AI vd8 vd8_add(vd8 a, vd8 b) { return (vd8){_mm256_add_pd(a.lo, b.lo), _mm256_add_pd(a.hi, b.hi)}; }
+AI void vd8_store(double *p, vd8 a) {
+    _mm256_storeu_pd(p, a.lo);
+    _mm256_storeu_pd(p + 4, a.hi);
+}
+#endif
+/* the blocks g .. g + gl - 1 (gl <= 8; wg, qg, dg, sg start at block g) added into the lanes av */
+Q8_EXACT AI void group_q8(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, const float *dg,
+                          const int32_t *sg, int64_t nb, int64_t K, vd8 av[MQ]) {
+    const int64_t bb = BLOCK_BYTES[qt];
+    const vd8 dw = vd8_ps(scales8(wg, bb, 0, gl));
+    vd8 mw = vd8_zero();
+    if (qt == GQ4_1) mw = vd8_ps(scales8(wg, bb, 2, gl));
+    int32_t is[MQ][8];
+    block_dots(qt, mt, wg, gl, qg, K, is);
+    for (int m = 0; m < mt; m++) {
+        __m256 dxf;
+        __m256i sxi = _mm256_setzero_si256();
+        if (gl == 8) {
+            dxf = _mm256_loadu_ps(dg + m * nb);
+            if (qt == GQ4_1) sxi = _mm256_loadu_si256((const __m256i *)(sg + m * nb));
+        } else {
+            float df[8] = {0};
+            int32_t sf[8] = {0};
+            memcpy(df, dg + m * nb, sizeof(float) * (size_t)gl);
+            memcpy(sf, sg + m * nb, sizeof(int32_t) * (size_t)gl);
+            dxf = _mm256_loadu_ps(df);
+            sxi = _mm256_loadu_si256((const __m256i *)sf);
+        }
+        const vd8 dx = vd8_ps(dxf);
+        vd8 t = vd8_mul(vd8_mul(dw, dx), vd8_epi32(_mm256_loadu_si256((const __m256i *)is[m])));
+        if (qt == GQ4_1) t = vd8_add(t, vd8_mul(vd8_mul(mw, dx), vd8_epi32(sxi)));
+        av[m] = vd8_add(av[m], t);
+    }
+}
+#endif
+
 /* one weight row against mt activation rows (the order of the sums: top of file) */
 Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const float *d, const int32_t *sq,
                              int64_t K, float *res, int64_t N) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
     double acc[MQ][8];
+#if GG_AVX512 || GG_AVX2
+    vd8 av[MQ];
+    for (int m = 0; m < mt; m++) av[m] = vd8_zero();
+    int64_t g = 0;
+    for (; g + 8 <= nb; g += 8) group_q8(qt, mt, wr + g * bb, 8, q + g * 32, d + g, sq + g, nb, K, av);
+    for (int m = 0; m < mt; m++) vd8_store(acc[m], av[m]);
+    for (int j = 0; g + j < nb; j++) { /* the last nb % 8 blocks, one at a time into lanes 0 .. */
+        const uint8_t *blk = wr + (g + j) * bb;
+        const double dw = half_to_float(blk), mw = qt == GQ4_1 ? half_to_float(blk + 2) : 0.0;
+        const __m256i wv = wbytes(qt, blk);
+        const __m256i wu = qt == GQ4_1 ? wv : _mm256_sign_epi8(wv, wv);
+        for (int m = 0; m < mt; m++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + m * K + (g + j) * 32));
+            if (qt != GQ4_1) a = _mm256_sign_epi8(a, wv);
+            const __m256i v = dot_us(wu, a);
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+            const double dx = d[m * nb + g + j];
+            double t = (dw * dx) * (double)_mm_cvtsi128_si32(h);
+            if (qt == GQ4_1) t += (mw * dx) * (double)sq[m * nb + g + j];
+            acc[m][j] += t;
+        }
+    }
+#else
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < 8; j++) acc[m][j] = 0.0;
     for (int64_t g = 0; g < nb; g += 8) {
@@ -148,6 +250,7 @@ Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q,
             }
         }
     }
+#endif
     for (int m = 0; m < mt; m++) {
         const double *a = acc[m];
         res[m * N] = (float)(((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])));
