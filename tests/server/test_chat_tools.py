@@ -222,3 +222,16 @@ def test_parser_names_by_model_type_and_flags() -> None:
     assert parser_names(server("llama", "{% if tools %}{% endif %}")) == ("llama3_json", None)
     assert parser_names(server("llama", "x", tool_call_parser="kimi_k2", reasoning_parser="deepseek_r1")) == (
         "kimi_k2", "deepseek_r1")
+
+
+def test_parser_names_from_the_model_folder_when_the_engine_is_remote(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from tokenfab.server.app import ServerConfig
+    from tokenfab.server.chat import parser_names
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    server = SimpleNamespace(engine=SimpleNamespace(),  # EngineCoreClient: no in-process model config
+                             tokenizer=SimpleNamespace(chat_template="{{ tools }}", name_or_path=str(tmp_path)),
+                             config=ServerConfig())
+    assert parser_names(server) == ("hermes", "qwen3")

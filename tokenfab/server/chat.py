@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -60,10 +63,22 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
 
 
+@functools.lru_cache(maxsize=8)
+def _model_config(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def parser_names(server: OpenAIServer) -> tuple[str | None, str | None]:
     """(tool parser, reasoning parser) for this server: ``--tool-call-parser``/``--reasoning-parser`` when set
     (``ServerConfig.tool_call_parser``/``reasoning_parser``), else by the model's type."""
     cfg = getattr(getattr(server.engine, "engine", None), "config", None)
+    if cfg is None:  # the engine runs in its own process: read the model folder's config.json
+        cfg = _model_config(str(getattr(server.tokenizer, "name_or_path", "") or ""))
     get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
     model_type, archs = get("model_type"), get("architectures")
     template = getattr(server.tokenizer, "chat_template", None)
