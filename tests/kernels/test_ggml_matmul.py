@@ -5,7 +5,9 @@
   every type x activation mode, M in {0, 1, 2, 3, 7, 64, 130} (the decode tiles and the prefill
   panels), K in {32, 576, 1536} and odd N.
 - The q8 mode's activation quantization is exact: through an identity weight the kernel returns
-  the quantize-dequantized activations bit for bit, ties included.
+  the quantize-dequantized activations bit for bit, ties included; and the q8 kernel equals its
+  reference bit for bit (both sum the block terms in float64 in one fixed order), on random and
+  adversarial inputs.
 - The portable builds (plain x86-64: the scalar C; Haswell: AVX2 without VNNI) agree with the
   native build, and ``TOKENFAB_CPU_NATIVE=0`` runs the reference.
 """
@@ -101,6 +103,64 @@ def test_matmul_matches_reference(qtype, act, m, k):
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert_close(out, expected)
     assert_close(gm.ggml_matmul_reference(x, packed, qtype, k, act=act), expected)
+
+
+def _random_packed(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Adversarial packed weights: every quant byte value (Q8_0's -128 included), float16 scales
+    (and Q4_1 minimums) of both signs over eight decades, a few zero scales."""
+    gen = torch.Generator().manual_seed(seed)
+    bb = gm.BLOCK_BYTES[qtype]
+    blocks = torch.randint(0, 256, (n, k // 32, bb), dtype=torch.uint8, generator=gen)
+    for off in (0, 2) if qtype == "Q4_1" else (0,):
+        mag = 10.0 ** torch.randint(-6, 2, (n, k // 32), generator=gen).float()
+        sc = (torch.rand(n, k // 32, generator=gen) - 0.5) * mag
+        sc[torch.rand(n, k // 32, generator=gen) < 0.05] = 0.0
+        blocks[..., off:off + 2] = sc.half()[..., None].view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def _adversarial_x(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows over forty decades, zero blocks, outliers, and exact rounding ties (x = (j + 1/2) * d)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * 10.0 ** torch.randint(-20, 20, (m, 1), generator=gen).float()
+    x[:, :32] = 0.0
+    if k >= 96:
+        x[:, 32:64] = torch.randn(m, 32, generator=gen) * 1e-3
+        x[:, 40] = 50.0  # one outlier: every other q rounds to 0 or +-1
+        ties = torch.arange(-32, 32, 2, dtype=torch.float32) + 0.5  # (j + 1/2) with amax/127 = 1 below
+        x[:, 64:96] = ties
+        x[:, 95] = 127.0
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_q8_kernel_equals_reference_bitwise(qtype):
+    """act="q8" sums the block terms in float64 in a fixed order and rounds once (ggml_q8.c), as the
+    reference does: the two agree bit for bit (not just to float32 summation order) on random and
+    adversarial weights and activations, every tile size and every K/32 % 8 tail. That is what
+    keeps greedy decoding in q8 mode on the reference's tokens (tests/models/test_packed_gguf.py)."""
+    for i, (m, k, n) in enumerate([(1, 576, 67), (2, 32, 33), (3, 96, 17), (4, 1536, 37), (5, 288, 16),
+                                   (7, 256, 65), (130, 576, 19)]):
+        for w in (_weights(qtype, n, k)[0], _random_packed(qtype, n, k, seed=i)):
+            for x in (_x(m, k, seed=i), _adversarial_x(m, k, seed=i)):
+                got = gm.ggml_matmul(x, w, qtype, k, act="q8")
+                ref = gm.ggml_matmul_reference(x, w, qtype, k, act="q8")
+                assert torch.equal(got, ref), (m, k, n, float((got - ref).abs().max()))
+
+
+def test_q8_reference_is_the_float64_product():
+    """The q8 reference is (within one float32 rounding of a float64 sum) the float64 product of the
+    quantize-dequantized activations with the dequantized weights."""
+    for qtype in QTYPES:
+        w = _random_packed(qtype, 23, 288, seed=7)
+        x = _adversarial_x(9, 288, seed=7)
+        q, d = gm.quantize_act_q8(x)
+        xq = (q.double().reshape(9, -1, 32) * d.double()[..., None]).reshape(9, 288)
+        exact = xq @ gm.dequantize(w, qtype, 288).double().T
+        got = gm.ggml_matmul_reference(x, w, qtype, 288, act="q8").double()
+        scale = (xq.abs() @ gm.dequantize(w, qtype, 288).double().abs().T)  # no cancellation bound
+        assert bool(((got - exact).abs() <= 2e-7 * scale + 1e-300).all())
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 65])
@@ -287,7 +347,8 @@ def _run_build(tmp_path, cflags: str) -> dict:
 @needs_native
 def test_portable_builds_equal_native(tmp_path):
     """The scalar C (plain x86-64) and the AVX2 path without VNNI (Haswell) give the native
-    build's results within the float32 tolerance; the builds do report those paths."""
+    build's results within the float32 tolerance (q8: bit for bit, its float64 sum has one fixed
+    order on every path); the builds do report those paths."""
     namespace = {"__name__": "portable_check"}
     exec(PORTABLE_CHECK, namespace)
     native = namespace["run"](_CASES)  # this process's -march=native build
@@ -296,6 +357,9 @@ def test_portable_builds_equal_native(tmp_path):
         assert other["info"]["isa"] == isa and other["info"]["vnni"] is False, other["info"]
         for a, b in zip(other["results"], native["results"], strict=True):
             assert_close(torch.tensor(a), torch.tensor(b))
+        for case, a, b in zip(_CASES, other["results"][::2], native["results"][::2], strict=True):  # the products
+            if case[1] == "q8":
+                assert torch.equal(torch.tensor(a), torch.tensor(b)), (cflags, case)
 
 
 def test_bench_shape_runs():
