@@ -217,3 +217,21 @@ def test_targets_dropout_and_errors(tmp_path):
     more = inject_lora(copy.deepcopy(base), r=2, target_modules=["q_proj", "v_proj", "o_proj"])
     with pytest.raises(ValueError, match="no tensor for"):
         load_adapter(more, tmp_path / "a")
+
+
+@pytest.mark.slow
+def test_lora_equals_peft_on_the_bundled_model():
+    """The bundled SmolLM2 (GGUF dequantized by transformers), 3 AdamW steps on the task dataset's records."""
+    from tests.train.task_dataset import train_records
+    from tokenfab.train.data import tokenize_record
+    from tokenfab.train.model import load_training_model
+
+    base, tok = load_training_model(None, torch.float32, "cpu")
+    examples = [tokenize_record(tok, r, 256) for r in train_records()[:24]]
+    batches = pack(examples, max_tokens=512, max_samples=8)
+    theirs = _peft_twin(base, 8, 8.0, False)
+    ours = inject_lora(base, r=8, alpha=8.0, target_modules=TARGETS)  # in place: `theirs` holds a copy
+    assert _copy_peft_init(theirs, ours) == 30 * 7
+    ref = _train(theirs, batches, 3)
+    got = _train(ours, batches, 3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=LOSS_RTOL, atol=0)
