@@ -235,3 +235,25 @@ def test_parser_names_from_the_model_folder_when_the_engine_is_remote(tmp_path) 
                              tokenizer=SimpleNamespace(chat_template="{{ tools }}", name_or_path=str(tmp_path)),
                              config=ServerConfig())
     assert parser_names(server) == ("hermes", "qwen3")
+
+
+def test_tools_and_tool_turns_reach_the_template() -> None:
+    from tokenfab.engine.core_client import load_tokenizer
+    from tokenfab.server.chat import render_chat
+    from tokenfab.server.protocol import ChatCompletionRequest
+
+    template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }} "
+                "a={{ c.function.arguments.a }})"
+                "{% endfor %}{% if m.tool_call_id %}(result of {{ m.tool_call_id }}){% endif %}{% endfor %}")
+    body = ChatCompletionRequest.model_validate({"messages": [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+    ]})
+    text = render_chat(load_tokenizer(None), body.messages, add_generation_prompt=False,
+                       kwargs={"tools": TOOLS}, chat_template=template)
+    assert text == ("[tool get_weather][tool add]<user>What is the weather in Paris?"
+                    "<assistant>(call call_1 add a=3)<tool>7(result of call_1)")
