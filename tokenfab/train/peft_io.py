@@ -97,11 +97,27 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     return model
 
 
+def _forget_gguf_quantizer(model: nn.Module) -> None:
+    """A GGUF base loaded by transformers is dequantized to plain tensors, but keeps a GGUF "quantizer" mark that
+    makes ``save_pretrained`` refuse; the merged weights are plain, so drop the mark (other quantizers: refuse)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    method = getattr(quantizer.quantization_config, "quant_method", None)
+    if getattr(method, "value", method) != "gguf":
+        raise ValueError(f"cannot save a merged model over quantized base weights ({method}); "
+                         "load the base model in full precision")
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+
+
 def save_merged(model: nn.Module, tokenizer: Any, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Merge LoRA into the base weights (in place: ``model`` is left merged) and write a Hugging Face folder:
     config.json (with ``architectures``), model.safetensors (tied embeddings stored once), generation config
     and the tokenizer files with its chat template, loadable by ``transformers`` and ``tokenfab serve``."""
     merge_lora(model)
+    _forget_gguf_quantizer(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
