@@ -70,7 +70,7 @@ def test_dequantize_matches_reference(qtype: QT) -> None:
 
 
 def test_dequantize_chunks_large_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tokenfab.loader.gguf as mod
+    import tokenfab.loader.gguf_quants as mod
 
     rng = np.random.default_rng(1)
     raw = _random_blocks(QT.Q4_1, 50, rng)

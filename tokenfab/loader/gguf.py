@@ -16,27 +16,31 @@ rest of tokenfab gets from a Hugging Face checkpoint:
 Every way a file can be unusable (missing, not GGUF, truncated, an architecture or tensor type we
 cannot handle, a tensor missing or misshapen) raises :class:`ModelLoadError` naming the file and
 the problem.
+
+The pieces: ``gguf_reader.py`` (parsing, metadata, the tokenizer), ``gguf_quants.py`` (dequantization),
+``gguf_config.py`` (the transformers config), this file (names, the tensor plan, the checkpoint),
+``gguf_packed.py``/``gguf_mode.py`` (weights kept packed for the CPU kernels).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.gguf_config import _ARCHITECTURES, _ROPE_FREQS, _build_config
+from tokenfab.loader.gguf_quants import dequantize, supports_ggml_type
+from tokenfab.loader.gguf_reader import _Meta, _open, _torch_shape, load_gguf_tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig
 
 __all__ = [
     "PACKABLE_TYPES",
@@ -47,14 +51,6 @@ __all__ = [
     "load_gguf_tokenizer",
     "supports_ggml_type",
 ]
-
-# GGUF `general.architecture` -> (HF `architectures` name, transformers config class name).
-# Mistral files say "llama": llama.cpp runs them with the same graph, and so does LlamaConfig.
-_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig"),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
-}
 
 # llama.cpp tensor names -> Hugging Face names.
 _GLOBAL_NAMES = {
@@ -110,252 +106,8 @@ _ARCH_OPTIONAL_GROUPS = {
     "qwen2": {},
     "qwen3": {"attention_bias": _ATTN_BIASES},
 }
-# A tensor llama.cpp adds that has no HF counterpart: Llama 3's RoPE frequency factors, which
-# stand in for the `rope_scaling` dict of the HF config (read back into the config here).
-_ROPE_FREQS = "rope_freqs.weight"
-
-# Types dequantized here; the others that `gguf.quants` can dequantize are passed to it.
-_OWN_TYPES = (QT.F32, QT.F16, QT.BF16, QT.F64, QT.Q8_0, QT.Q4_0, QT.Q4_1)
-_NOT_WEIGHTS = (QT.I8, QT.I16, QT.I32, QT.I64)
-_CHUNK_ELEMENTS = 1 << 22  # block formats are decoded this many values at a time, bounding temporaries
 
 
-# --------------------------------------------------------------------------------------------
-# Reading the file
-# --------------------------------------------------------------------------------------------
-
-
-class _Truncated(Exception):
-    """A read past the end of the file: `needed` is the byte offset the read would end at."""
-
-    def __init__(self, needed: int) -> None:
-        super().__init__(needed)
-        self.needed = needed
-
-
-class _Reader(gguf.GGUFReader):
-    """``gguf.GGUFReader`` with two changes that leave what it parses untouched.
-
-    * It parses from a plain ``ndarray`` view of the memory map instead of the ``np.memmap``
-      itself. Every metadata value is a slice, and slicing the memmap subclass costs about three
-      times as much, which made a file with a 49k-token vocabulary take ~3.5 s to open, not ~1 s.
-    * A read past the end of the file raises ``_Truncated``; the stock reader would slice a
-      short array and then fail somewhere unrelated-looking (a reshape, an index error).
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._memmap = value
-        self._plain = value.view(np.ndarray)
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self._plain):
-            raise _Truncated(end)
-        return super()._get(offset, dtype, count, override_order)
-
-
-def _check_file(path: Path) -> None:
-    """The checks that need no parsing: the file exists and starts with the GGUF magic."""
-    if not path.exists():
-        raise ModelLoadError(path, "no such file")
-    if not path.is_file():
-        raise ModelLoadError(path, "not a file (a GGUF model is a single .gguf file)")
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(path, f"cannot read the file: {e.strerror or e}") from e
-    if not magic:
-        raise ModelLoadError(path, "not a GGUF file: the file is empty")
-    if magic != b"GGUF":
-        raise ModelLoadError(path, f"not a GGUF file: it starts with {magic!r}, not the magic bytes b'GGUF'")
-
-
-_VERSION_RE = re.compile(r"appears to be version (\d+)")
-_UNKNOWN_TYPE_RE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # "np.uint32(99) is not ..."
-
-
-@functools.lru_cache(maxsize=2)
-def _parse(path: str, mtime_ns: int, size: int) -> _Reader:
-    """Parse a file's header once: `load_gguf` and `load_gguf_tokenizer` on the same unchanged
-    file share the parse (keyed by modification time and size so a rewritten file is re-read)."""
-    try:
-        reader = _Reader(path, "r")
-    except _Truncated as e:
-        raise ModelLoadError(
-            path,
-            f"the file is truncated: it is {size} bytes long, but its header describes data up to "
-            f"byte {e.needed} (an interrupted download or copy?)",
-        ) from None
-    except ValueError as e:
-        if m := _UNKNOWN_TYPE_RE.search(str(e)):
-            raise ModelLoadError(
-                path,
-                f"unsupported quantization type: a tensor is stored in ggml type {m.group(1)}, "
-                f"which the installed gguf package (version {_gguf_version()}) does not know",
-            ) from None
-        if m := _VERSION_RE.search(str(e)):
-            known = " and ".join(str(v) for v in getattr(gguf.gguf_reader, "READER_SUPPORTED_VERSIONS", (2, 3)))
-            raise ModelLoadError(
-                path, f"unsupported GGUF format version {m.group(1)} (versions {known} can be read)"
-            ) from None
-        raise ModelLoadError(path, f"corrupt GGUF header: {e}") from None
-    except (KeyError, IndexError, OverflowError, UnicodeDecodeError, TypeError) as e:
-        raise ModelLoadError(path, f"corrupt GGUF header ({type(e).__name__}: {e})") from None
-    except OSError as e:
-        raise ModelLoadError(path, f"cannot read the file: {e.strerror or e}") from e
-    if reader.byte_order != "I":
-        raise ModelLoadError(path, "big-endian GGUF files are not supported")
-    return reader
-
-
-def _gguf_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("gguf")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def _open(path: Path) -> _Reader:
-    _check_file(path)
-    st = path.stat()
-    return _parse(str(path), st.st_mtime_ns, st.st_size)
-
-
-class _Meta:
-    """Typed access to a reader's metadata, with errors that name the key."""
-
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self.fields = reader.fields
-        self.path = path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except (UnicodeDecodeError, IndexError, ValueError) as e:
-            raise ModelLoadError(self.path, f"metadata {key} cannot be read: {e}") from None
-
-    def length(self, key: str) -> int | None:
-        """Element count of an array value, without decoding the elements."""
-        f = self.fields.get(key)
-        if f is None or not f.types or f.types[0] != gguf.GGUFValueType.ARRAY:
-            return None
-        return len(f.data)
-
-    def int(self, key: str, default: int | None = None) -> int:
-        v = self.get(key, default)
-        if v is None:
-            raise ModelLoadError(self.path, f"metadata key {key} is missing")
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ModelLoadError(self.path, f"metadata {key} should be an integer, found {v!r}")
-        return v
-
-    def float(self, key: str, default: float | None = None) -> float:
-        v = self.get(key, default)
-        if v is None:
-            raise ModelLoadError(self.path, f"metadata key {key} is missing")
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise ModelLoadError(self.path, f"metadata {key} should be a number, found {v!r}")
-        return float(v)
-
-    def optional_int(self, key: str) -> int | None:
-        return None if self.get(key) is None else self.int(key)
-
-
-# --------------------------------------------------------------------------------------------
-# Dequantization
-# --------------------------------------------------------------------------------------------
-
-
-def _f16_column(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The little-endian float16 at byte `start` of each block, as a float32 column."""
-    return blocks[:, start : start + 2].view(np.float16).astype(np.float32)
-
-
-def _q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
-    # block: f16 scale d, then 32 int8 q; value = q * d
-    np.multiply(blocks[:, 2:].view(np.int8), _f16_column(blocks, 0), out=out)
-
-
-def _q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
-    # block: f16 scale d, then 16 bytes; value j < 16 is the low nibble of byte j, value j >= 16
-    # the high nibble of byte j - 16; value = (nibble - 8) * d
-    qs = blocks[:, 2:]
-    out[:, :16] = (qs & 0x0F).view(np.int8) - np.int8(8)
-    out[:, 16:] = (qs >> 4).view(np.int8) - np.int8(8)
-    out *= _f16_column(blocks, 0)
-
-
-def _q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
-    # block: f16 scale d, f16 minimum m, then 16 bytes of nibbles as in Q4_0; value = nibble * d + m
-    qs = blocks[:, 4:]
-    out[:, :16] = qs & 0x0F
-    out[:, 16:] = qs >> 4
-    out *= _f16_column(blocks, 0)
-    out += _f16_column(blocks, 2)
-
-
-_BLOCK_DECODERS = {QT.Q8_0: _q8_0, QT.Q4_0: _q4_0, QT.Q4_1: _q4_1}
-
-
-@functools.cache
-def supports_ggml_type(ggml_type: QT) -> bool:
-    """Whether :func:`dequantize` handles this ggml type (ours, or one `gguf.quants` decodes)."""
-    if ggml_type in _OWN_TYPES:
-        return True
-    if ggml_type in _NOT_WEIGHTS or ggml_type not in gguf.GGML_QUANT_SIZES:
-        return False
-    _, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    try:
-        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
-    except Exception:  # NotImplementedError, or whatever a half-implemented type trips over
-        return False
-    return True
-
-
-def dequantize(data: np.ndarray, ggml_type: QT | int, shape: Sequence[int]) -> np.ndarray:
-    """A tensor's stored bytes (as `GGUFReader` exposes them) -> a new float32 array of `shape`.
-
-    `shape` is in torch order (outermost first), the reverse of GGUF's dimension list. The result
-    is always a fresh, writable array, never a view of the file.
-    """
-    ggml_type = QT(ggml_type)
-    shape = tuple(int(d) for d in shape)
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if ggml_type == QT.F32:
-        return raw.view("<f4").reshape(shape).copy()
-    if ggml_type == QT.F16:
-        return raw.view("<f2").astype(np.float32).reshape(shape)
-    if ggml_type == QT.F64:
-        return raw.view("<f8").astype(np.float32).reshape(shape)
-    if ggml_type == QT.BF16:
-        # bfloat16 is the top half of a float32
-        wide = raw.view("<u2").astype(np.uint32)
-        wide <<= 16
-        return wide.view(np.float32).reshape(shape)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-    blocks = raw.reshape(-1, type_size)
-    decoder = _BLOCK_DECODERS.get(ggml_type)
-    if decoder is not None:
-        out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
-        step = max(1, _CHUNK_ELEMENTS // block_size)
-        for start in range(0, blocks.shape[0], step):
-            decoder(blocks[start : start + step], out[start : start + step])
-        return out.reshape(shape)
-    # Everything else (K-quants, IQ-quants, Q5_x, ...): gguf's own numpy decoders.
-    row_bytes = shape[-1] // block_size * type_size if shape else type_size
-    values = gguf.quants.dequantize(raw.reshape(-1, row_bytes), ggml_type)
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -510,144 +262,6 @@ def _check_tensor_names(
     return groups
 
 
-def _torch_shape(tensor: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
-
-
-def _build_config(
-    path: Path, arch: str, meta: _Meta, by_name: dict[str, Any], groups: dict[str, bool]
-) -> PretrainedConfig:
-    import transformers
-
-    p = f"{arch}."
-    hidden = meta.int(p + "embedding_length")
-    n_head = meta.int(p + "attention.head_count")
-    n_kv = meta.int(p + "attention.head_count_kv", n_head)
-    if n_head <= 0 or n_kv <= 0 or n_head % n_kv:
-        raise ModelLoadError(path, f"metadata gives {n_head} attention heads and {n_kv} key/value heads")
-    # head_dim: llama.cpp writes attention.key_length when the HF config names a head_dim, and for
-    # Llama also rope.dimension_count (the rotary width, which for these models is the head dim).
-    head_dim = meta.optional_int(p + "attention.key_length")
-    if head_dim is None and arch == "llama":
-        head_dim = meta.optional_int(p + "rope.dimension_count")
-    if head_dim is None:
-        head_dim = hidden // n_head
-    rope_theta = meta.float(p + "rope.freq_base", 10000.0)
-    vocab = _torch_shape(by_name["token_embd.weight"])[0]
-    kwargs: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch][0]],
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": meta.int(p + "feed_forward_length"),
-        "num_hidden_layers": meta.int(p + "block_count"),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": meta.int(p + "context_length"),
-        "rms_norm_eps": meta.float(p + "attention.layer_norm_rms_epsilon"),
-        "rope_theta": rope_theta,
-        "tie_word_embeddings": "output.weight" not in by_name,
-        "bos_token_id": meta.optional_int("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _eos_ids(meta),
-        "pad_token_id": meta.optional_int("tokenizer.ggml.padding_token_id"),
-        **groups,
-    }
-    if arch in ("qwen2", "qwen3"):
-        kwargs["use_sliding_window"] = False
-    scaling = _rope_scaling(path, arch, meta, by_name, head_dim, rope_theta)
-    if scaling is not None:
-        kwargs["rope_scaling"] = scaling
-    config_cls = getattr(transformers, _ARCHITECTURES[arch][1])
-    try:
-        return config_cls(**kwargs)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ModelLoadError(path, f"the metadata does not make a valid {config_cls.__name__}: {e}") from None
-
-
-def _eos_ids(meta: _Meta) -> int | list[int] | None:
-    """EOS id, plus end-of-turn / end-of-message ids when the file names distinct ones (Llama 3
-    files do): generation should stop at any of them, as llama.cpp does."""
-    ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = meta.optional_int(key)
-        if v is not None and v not in ids:
-            ids.append(v)
-    if not ids:
-        return None
-    return ids[0] if len(ids) == 1 else ids
-
-
-def _rope_scaling(
-    path: Path, arch: str, meta: _Meta, by_name: dict[str, Any], head_dim: int, rope_theta: float
-) -> dict[str, Any] | None:
-    """The HF `rope_scaling` dict (without rope_theta) the file implies, or None for plain RoPE."""
-    p = f"{arch}.rope.scaling."
-    kind = meta.get(p + "type")
-    factor = meta.get(p + "factor")
-    if _ROPE_FREQS in by_name:
-        if kind not in (None, "none"):
-            raise ModelLoadError(path, f"the file has both {_ROPE_FREQS} and rope scaling type {kind!r}")
-        return _llama3_scaling(path, by_name[_ROPE_FREQS], head_dim, rope_theta)
-    if kind in (None, "none"):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise ModelLoadError(path, f"unsupported rope scaling type {kind!r} (linear and yarn are supported)")
-    if not isinstance(factor, int | float):
-        raise ModelLoadError(path, f"rope scaling type {kind!r} without a numeric {p}factor")
-    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    if kind == "yarn":
-        orig = meta.optional_int(p + "original_context_length")
-        if orig is not None:
-            out["original_max_position_embeddings"] = orig
-        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            v = meta.get(p + gguf_key)
-            if v is not None:
-                out[hf_key] = float(v)
-        # llama.cpp's `attn_factor` is not written for these architectures by its converter, and
-        # its meaning differs from HF's `attention_factor`, so it is not carried over.
-    return out
-
-
-# Llama 3.x rope_scaling values other than `factor`; llama.cpp bakes them into rope_freqs.
-_LLAMA3_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
-
-
-def _llama3_factors(head_dim: int, theta: float, factor: float, params: dict[str, Any]) -> np.ndarray:
-    """The per-frequency divisors llama.cpp's converter computes for HF's "llama3" rope type."""
-    low, high = params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < old_len / high:
-            out.append(1.0)
-        elif wavelen > old_len / low:
-            out.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out)
-
-
-def _llama3_scaling(path: Path, tensor: Any, head_dim: int, theta: float) -> dict[str, Any] | None:
-    """Recover HF's llama3 `rope_scaling` from the rope_freqs tensor llama.cpp stores instead.
-
-    The tensor holds one divisor per rotary frequency. Its maximum is `factor`; the remaining
-    parameters are not recoverable in general, so known ones are tried and checked against it.
-    """
-    freqs = dequantize(tensor.data, tensor.tensor_type, _torch_shape(tensor)).reshape(-1).astype(np.float64)
-    if freqs.shape[0] != head_dim // 2:
-        raise ModelLoadError(path, f"{_ROPE_FREQS} has {freqs.shape[0]} entries, expected {head_dim // 2}")
-    if np.all(freqs == 1.0):
-        return None
-    factor = float(np.float32(freqs.max()))
-    for params in _LLAMA3_CANDIDATES:
-        if np.allclose(_llama3_factors(head_dim, theta, factor, params), freqs, rtol=1e-5, atol=0):
-            return {"rope_type": "llama3", "factor": factor, **params}
-    raise ModelLoadError(path, f"{_ROPE_FREQS} does not match the Llama 3 rope scaling this loader recognises")
-
-
 def _plan(path: Path, arch: str, config: Any, by_name: dict[str, Any]) -> list[_Entry]:
     """Map every tensor to its HF name and check its shape against the config."""
     h, inter = config.hidden_size, config.intermediate_size
@@ -700,46 +314,3 @@ def _plan(path: Path, arch: str, config: Any, by_name: dict[str, Any]) -> list[_
     return entries
 
 
-# --------------------------------------------------------------------------------------------
-# The tokenizer
-# --------------------------------------------------------------------------------------------
-
-_SPECIAL_IDS = {
-    "bos_token": "tokenizer.ggml.bos_token_id",
-    "eos_token": "tokenizer.ggml.eos_token_id",
-    "pad_token": "tokenizer.ggml.padding_token_id",
-    "unk_token": "tokenizer.ggml.unknown_token_id",
-}
-
-
-def load_gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """The file's tokenizer, built by transformers' GGUF support from the vocabulary and merges
-    in the metadata; the chat template and bos/eos/pad/unk tokens are set from the metadata.
-
-    Raises ModelLoadError for the same file problems as :func:`load_gguf`, or when the metadata
-    holds no tokenizer or one transformers cannot rebuild.
-    """
-    path = Path(path)
-    reader = _open(path)
-    meta = _Meta(reader, path)
-    n_tokens = meta.length("tokenizer.ggml.tokens")
-    if not n_tokens:
-        raise ModelLoadError(path, "the file holds no tokenizer (no tokenizer.ggml.tokens metadata)")
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        # The concrete class, not AutoTokenizer: that would first rebuild the model config, which
-        # re-parses the whole file and doubles the load time.
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except Exception as e:  # transformers raises ValueError/KeyError/OSError/... for files it cannot convert
-        raise ModelLoadError(path, f"cannot build the tokenizer from the metadata: {type(e).__name__}: {e}") from None
-    template = meta.get("tokenizer.chat_template")
-    tok.chat_template = template if isinstance(template, str) and template else None
-    for attr, key in _SPECIAL_IDS.items():
-        token_id = meta.optional_int(key)
-        if token_id is None:
-            continue
-        if not 0 <= token_id < n_tokens:
-            raise ModelLoadError(path, f"metadata {key} = {token_id} is outside the vocabulary of {n_tokens} tokens")
-        setattr(tok, attr, tok.convert_ids_to_tokens(token_id))
-    return tok
