@@ -74,7 +74,7 @@ def _two_vs_one(tmp_path: Path, mode: str) -> dict:
     assert [v for _, v in two["eval"]] == pytest.approx([v for _, v in single.eval_losses], rel=LOSS_RTOL)
     ck = tmp_path / "two" / "checkpoint-2"  # sharded checkpoint: one DCP folder, every rank's RNG state
     assert (ck / "dcp" / ".metadata").exists()
-    assert (ck / "rng-rank0.pt").exists() and (ck / "rng-rank1.pt").exists()
+    assert (ck / "rng-rank0.json").exists() and (ck / "rng-rank1.safetensors").exists()
     return two
 
 

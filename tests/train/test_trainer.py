@@ -170,3 +170,23 @@ def test_gradient_checkpointing_changes_nothing(tmp_path, mode):
         assert model.model.gradient_checkpointing == ckpt and model.model.layers[0].gradient_checkpointing == ckpt
         runs.append(trainer.train().losses)
     assert runs[1] == pytest.approx(runs[0], rel=1e-6)
+
+
+def test_checkpoint_state_round_trips_without_pickle(tmp_path):
+    from tokenfab.train.checkpoint import load_state, save_state
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 2))], lr=1e-3, betas=(0.9, 0.95))
+    opt.param_groups[0]["params"][0].grad = torch.ones(3, 2)
+    opt.step()
+    save_state(tmp_path / "optimizer", opt.state_dict())
+    assert not list(tmp_path.glob("*.pt"))
+    back = load_state(tmp_path / "optimizer")
+    ref = opt.state_dict()
+    assert list(back["state"]) == [0]  # int keys survive JSON
+    for k, v in ref["state"][0].items():
+        assert torch.equal(back["state"][0][k], v)
+    assert back["param_groups"][0]["betas"] == [0.9, 0.95]
+    torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 2))]).load_state_dict(back)
+    (tmp_path / "optimizer.json").write_text('{"dict": [[0, {"tensor": "missing"}]]}')
+    with pytest.raises(ValueError, match="optimizer.json is malformed"):
+        load_state(tmp_path / "optimizer")

@@ -2,9 +2,10 @@
 
 - ``trainable.safetensors``: the trainable parameters (LoRA A/B, or every weight in full fine-tuning);
   under FSDP2 the sharded state goes through ``torch.distributed.checkpoint`` instead (``dcp/``).
-- ``optimizer.pt``, ``scheduler.pt``: our own files, tensors and numbers only, read back with
-  ``torch.load(weights_only=True)``.
-- ``rng-rank{R}.pt``: torch (CPU and CUDA) and Python RNG states of each rank.
+- ``optimizer``, ``scheduler``, ``rng-rank{R}`` (torch CPU/CUDA and Python RNG states of each rank):
+  nested state dicts stored as ``NAME.json`` (the structure, numbers and strings) plus
+  ``NAME.safetensors`` (the tensors). A checkpoint is untrusted input like any model file, so
+  nothing is pickled: no ``torch.load``.
 - ``trainer_state.json``: the step (the data position: the order of the samples is a function of the
   seed and the epoch), the losses so far, the eval losses.
 """
@@ -52,6 +53,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON for a state dict: tensors move to ``tensors`` (by a generated key), dict keys keep
+    their type (optimizer state is keyed by int), tuples become lists."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        return {"dict": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return [_encode(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "tensor" in obj:
+            return tensors[obj["tensor"]]
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["dict"]}
+    return obj
+
+
+def save_state(stem: Path, state: Any) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _encode(state, tensors)
+    save_file(tensors, str(stem.with_suffix(".safetensors")))
+    stem.with_suffix(".json").write_text(json.dumps(structure))
+
+
+def load_state(stem: Path) -> Any:
+    try:
+        return _decode(json.loads(stem.with_suffix(".json").read_text()),
+                       load_file(str(stem.with_suffix(".safetensors"))))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint file {stem}.json is malformed: {type(e).__name__}: {e}") from None
+
+
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     state: dict[str, Any], rank: int = 0, sharded: bool = False) -> None:
     """Write one checkpoint; every rank calls it (ranks > 0 write their RNG state, and their
@@ -63,10 +105,10 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         save_sharded(path / "dcp", model, optimizer)
     elif rank == 0:
         save_file(trainable_state(model), str(path / "trainable.safetensors"))
-        torch.save(optimizer.state_dict(), path / "optimizer.pt")
-    torch.save(rng_state(), path / f"rng-rank{rank}.pt")
+        save_state(path / "optimizer", optimizer.state_dict())
+    save_state(path / f"rng-rank{rank}", rng_state())
     if rank == 0:
-        torch.save(scheduler.state_dict(), path / "scheduler.pt")
+        save_state(path / "scheduler", scheduler.state_dict())
         (path / STATE_FILE).write_text(json.dumps(state, indent=1))
 
 
@@ -91,9 +133,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng_file = path / f"rng-rank{rank}.pt"
-    if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        optimizer.load_state_dict(load_state(path / "optimizer"))
+    scheduler.load_state_dict(load_state(path / "scheduler"))
+    rng_stem = path / f"rng-rank{rank}"
+    if rng_stem.with_suffix(".json").exists():
+        set_rng_state(load_state(rng_stem))
     return json.loads((path / STATE_FILE).read_text())
