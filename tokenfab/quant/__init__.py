@@ -1,0 +1,1 @@
+"""Low-precision checkpoint formats: detect quant_method, hold packed weights, hand them to the kernels."""
