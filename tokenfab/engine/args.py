@@ -32,6 +32,9 @@ class EngineArgs:
     # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
+    # speculative decoding (vLLM's shape): a JSON string or a dict, e.g. '{"method": "ngram",
+    # "num_speculative_tokens": 4}'; None: off (tokenfab/spec/config.py)
+    speculative_config: str | dict | None = None
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
@@ -66,6 +69,11 @@ class EngineArgs:
         parser.add_argument("--async-scheduling", action="store_true",
                             help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
                             "tokens feed the next step without a host sync, stop checks run one step behind")
+        parser.add_argument("--speculative-config", default=None,
+                            help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+                            "(methods: ngram, suffix; outputs are unchanged: greedy bit for bit, sampled in "
+                            "distribution)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

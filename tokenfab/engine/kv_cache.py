@@ -159,6 +159,18 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks beyond those holding seq's computed tokens (speculative decoding:
+        blocks allocated for draft tokens that were rejected). Such blocks were freshly allocated
+        for this step, so they are unshared and carry no prefix-cache digest."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go first in the free queue: they are the least
         likely to be shared, so they are the first evicted."""

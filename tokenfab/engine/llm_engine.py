@@ -33,6 +33,7 @@ from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
+from tokenfab.spec.config import SpeculativeConfig
 from tokenfab.tokenizer import eos_token_ids
 
 log = logging.getLogger("tokenfab")
@@ -57,6 +58,15 @@ class EngineStats:
     last_step_decode_tokens: int
     weight_bytes_per_param: float = 0.0  # as stored (packed GGUF rows: ~0.6-1.1)
     kv_bytes_per_token: float = 0.0
+    # speculative decoding (0 when off): drafts verified / accepted, sequence-steps that verified,
+    # accepted / drafted, tokens per verified sequence-step, seconds proposing / verifying
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verified_total: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_draft_seconds_total: float = 0.0
+    spec_verify_seconds_total: float = 0.0
 
 
 class LLMEngine:
@@ -64,6 +74,7 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
+        spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
         self.args = args
         self.scheduling_policy = args.scheduling_policy
         self.device = resolve_device(args.device)
@@ -102,6 +113,11 @@ class LLMEngine:
         self._last = (0, 0, 0)
         # --async-scheduling: step N+1 is launched before step N's tokens are read (engine/overlap.py)
         self._overlap = OverlapScheduler(self) if args.async_scheduling else None
+        self.spec = None  # speculative decoding (tokenfab/spec/step.py)
+        if spec_config is not None:
+            from tokenfab.spec.step import SpecDecoder
+
+            self.spec = SpecDecoder(spec_config, self)
         log.info(
             "loaded %s on %s (%s) in %.1fs; KV cache: %d blocks x %d = %d tokens",
             self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
@@ -232,6 +248,8 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq)
             seq.finish_reason = "abort"
+            if self.spec is not None:
+                self.spec.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -249,6 +267,8 @@ class LLMEngine:
         from the next call (engine/overlap.py)."""
         if self._overlap is not None:
             return self._overlap.step()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts ride in the batch the scheduler builds
         batch = self.scheduler.schedule()
         if batch.empty:
             return self._unschedulable()
@@ -256,11 +276,12 @@ class LLMEngine:
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and process one scheduled batch, synchronously."""
-        now = time.time()
+        now, t0 = time.time(), time.perf_counter()
         seqs, counts = batch.seqs, batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
+        ks = [len(s.spec_token_ids) for s in seqs]  # speculative drafts verified after the known tokens
         # a chunk that reaches the end of the known tokens yields the next token (max_tokens 0: none)
-        done = [st + n == s.num_tokens for s, st, n in zip(seqs, starts, counts)]
+        done = [st + n - k == s.num_tokens for s, st, n, k in zip(seqs, starts, counts, ks)]
         sample_mask = [d and s.params.max_tokens != 0 for s, d in zip(seqs, done)]
         scoring = any(s.prompt_logprobs is not None for s in seqs)
         if scoring:
@@ -272,7 +293,10 @@ class LLMEngine:
         logits, hidden = self._forward(seqs, counts, sample_mask, prompt_rows if scoring else None, failed)
         # the rows of logits (and hidden) are those of the sequences that did not fail, in order
         sampling = [i for i, m in enumerate(sample_mask) if m and i not in failed]
-        sampled = self._sample([seqs[i] for i in sampling], logits)
+        if any(ks):  # per sequence: the accepted drafts and the target's token
+            sampled = self.spec.sample([seqs[i] for i in sampling], logits)
+        else:
+            sampled = [r if isinstance(r, str) else [r] for r in self._sample([seqs[i] for i in sampling], logits)]
         self.num_steps += 1
         self._last = (len(seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
         row = 0
@@ -295,7 +319,7 @@ class LLMEngine:
                     continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.computed_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - ks[i]  # drafts count once accepted (spec commit)
             self.block_manager.commit_full_blocks(seq)
         outputs = []
         for i, message in failed.items():
@@ -309,11 +333,19 @@ class LLMEngine:
                 self._fail(seq, result)
             else:
                 try:
-                    self._append_token(seq, *result)
+                    for token, lp in result:  # stops where plain decoding would
+                        self._append_token(seq, token, lp)
+                        if seq.is_finished:
+                            break
+                    if ks[i] and not seq.is_finished:  # all of result appended
+                        self.spec.commit(seq, len(result))
                 except Exception as e:
                     self._raise_if_fatal(e)
                     self._fail(seq, f"processing the sampled token failed: {e}")
             outputs.append(self._output(seq))
+        if any(ks):
+            self.spec.num_spec_steps += 1
+            self.spec.verify_seconds += time.perf_counter() - t0
         for i, seq in enumerate(seqs):
             if done[i] and not sample_mask[i] and not seq.is_finished:  # max_tokens 0: prefill only
                 self._finish(seq, "length")
@@ -428,6 +460,8 @@ class LLMEngine:
             seq.stop_reason = stop_token
         seq.finished_time = time.time()
         self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.status == SequenceStatus.FINISHED
@@ -473,4 +507,5 @@ class LLMEngine:
             last_step_decode_tokens=self._last[2],
             weight_bytes_per_param=self.memory["weight_bytes_per_param"],
             kv_bytes_per_token=self.memory["kv_bytes_per_token"],
+            **(self.spec.stats() if self.spec is not None else {}),
         )

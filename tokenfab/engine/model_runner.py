@@ -85,7 +85,9 @@ class ModelRunner:
         """Flatten the scheduled chunks into one batch (host lists -> one copy to device).
 
         ``prompt_rows``: per sequence, the (first, end) offsets inside its chunk whose hidden
-        states are kept for prompt logprobs (``execute_scoring``); None: none anywhere."""
+        states are kept for prompt logprobs (``execute_scoring``); None: none anywhere.
+        A sequence with k speculative drafts (``seq.spec_token_ids``, counted in its new tokens)
+        gets them after its known tokens, and logits for its last k + 1 rows (the verify rows)."""
         input_ids: list[int] = []
         positions: list[int] = []
         cu = [0]
@@ -94,6 +96,8 @@ class ModelRunner:
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start : start + n]
+            if start + n > seq.num_tokens:  # draft tokens to verify
+                input_ids += seq.spec_token_ids[: start + n - seq.num_tokens]
             positions += range(start, start + n)
             cu.append(cu[-1] + n)
             ctx_lens.append(start + n)
@@ -107,7 +111,8 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
         block_of_token = tables_t[seq_of_token, pos_t // self.block_size].long()
         slots = block_of_token * self.block_size + pos_t % self.block_size
-        logits_idx = [cu[i + 1] - 1 for i, s in enumerate(sample_mask) if s]
+        logits_idx = [r for i, s in enumerate(sample_mask) if s
+                      for r in range(cu[i + 1] - 1 - len(seqs[i].spec_token_ids), cu[i + 1])]
         prompt_idx = None
         if prompt_rows is not None:
             rows = [r for i, (a, b) in enumerate(prompt_rows) for r in range(cu[i] + a, cu[i] + b)]

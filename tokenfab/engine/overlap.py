@@ -31,7 +31,8 @@ Falls back to the synchronous step (resolving step N first, dropping sequences t
 there) when a scheduled request needs its latest token on the host: a grammar constraint (its
 matcher must accept step N's token before it masks step N+1) or prompt logprobs (the scoring
 path); and when the batched forward fails (the synchronous path isolates the failing request).
-``logit_bias`` and ``min_tokens`` need only counts; penalties get step N's token from the device
+A step that may carry speculative drafts (``--speculative-config``) is synchronous too: proposers
+read the latest token. ``logit_bias`` and ``min_tokens`` need only counts; penalties get step N's token from the device
 tensor (``sample_tokens(pending=...)``); ``logprobs`` are computed on the device with the tokens
 and read back with them: all stay overlapped.
 
@@ -102,6 +103,10 @@ class OverlapScheduler:
 
     def step(self) -> list[RequestOutput]:
         eng = self.engine
+        if eng.spec is not None:
+            if eng.spec.would_speculate(eng.scheduler.running):
+                return self._spec_step()
+            eng.spec.propose(eng.scheduler.running)  # drafts nothing; clears any stale drafts
         batch = eng.scheduler.schedule()
         if batch.empty:
             if self.pending is None:
@@ -154,6 +159,18 @@ class OverlapScheduler:
         return outputs
 
     # ---- internals -------------------------------------------------------------------
+    def _spec_step(self) -> list[RequestOutput]:
+        """A step that may carry speculative drafts runs synchronously: the proposer needs every
+        sequence's latest token on the host (tokenfab/spec/step.py)."""
+        eng = self.engine
+        self.num_sync_steps += 1
+        outputs = self.resolve()
+        eng.spec.propose(eng.scheduler.running)
+        batch = eng.scheduler.schedule()
+        if batch.empty:
+            return outputs + eng._unschedulable()
+        return outputs + eng.run_batch(batch)
+
     def _sync_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         self.num_sync_steps += 1
         outputs = self.resolve()

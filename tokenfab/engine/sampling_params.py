@@ -74,6 +74,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logits first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # speculative decoding may be used for this request when the engine has it on (False: opt out)
+    speculative: bool = True
     constraint: LogitsConstraint | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +122,8 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a boolean, got {self.speculative!r}")
         for t in self.stop_token_ids or []:
             _int("stop_token_ids", t, 0, INT32_MAX)
         for st in self.stop or []:

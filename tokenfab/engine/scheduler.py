@@ -28,9 +28,9 @@ class ScheduledBatch:
     is_decode: list[bool] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
-        decode = seq.is_decoding and n == 1
+        decode = seq.is_decoding and n == 1 + len(seq.spec_token_ids)  # + draft tokens to verify
         if decode:
-            self.num_decode_tokens += 1
+            self.num_decode_tokens += n
         else:
             self.num_prefill_tokens += n
         self.seqs.append(seq)
@@ -41,7 +41,7 @@ class ScheduledBatch:
         self.seqs.pop(i)
         n = self.num_new_tokens.pop(i)
         if self.is_decode.pop(i):
-            self.num_decode_tokens -= 1
+            self.num_decode_tokens -= n
         else:
             self.num_prefill_tokens -= n
         return n
@@ -85,6 +85,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
         self.add(seq)
@@ -106,7 +107,11 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            if seq.spec_token_ids:  # speculative drafts: never worth a preemption, cut by the budget
+                if not self.bm.can_allocate(seq, n):
+                    seq.spec_token_ids, n = [], min(seq.num_tokens - seq.num_computed_tokens, budget)
+                del seq.spec_token_ids[max(n - (seq.num_tokens - seq.num_computed_tokens), 0):]
             while not self.bm.can_allocate(seq, n):
                 victim = self._victim()
                 if victim in batch.seqs:  # already scheduled this step: take it back out

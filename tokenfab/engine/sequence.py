@@ -57,6 +57,8 @@ class Sequence:
         # overlap scheduling: the token being sampled is this request's last by count (max_tokens or
         # the context length), so no further step is scheduled for it (engine/overlap.py)
         self.length_capped = False
+        # speculative decoding: draft tokens verified in this step after the known tokens (tokenfab/spec)
+        self.spec_token_ids: list[int] = []
         self.error: str | None = None  # set when the request failed inside a step
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
