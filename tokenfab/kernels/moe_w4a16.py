@@ -1,0 +1,353 @@
+"""Fused-MoE expert MLP with 4-bit packed expert weights (W4A16), dequantized in registers.
+
+The same machinery as ``moe_gemm`` (``moe_align`` groups the (token, slot) pairs by expert in
+BLOCK_M-aligned runs; one grouped GEMM launch for gate+up with the activation on the way out,
+one for down with the expert bias and the routing weight; ``moe_sum`` adds each token's k rows),
+with the expert weights in one of ``w4a16``'s codecs instead of bf16:
+
+- ``w13_q`` uint8 [E, 2I, ceil(H/2)] (gate rows, then up rows), ``w13_s`` [E, 2I, ceil(H/G)];
+- ``w2_q`` uint8 [E, H, ceil(I/2)], ``w2_s`` [E, H, ceil(I/G)];
+- NVFP4 only: ``w13_g`` / ``w2_g`` float32 [E], each expert's global scale.
+
+Each program streams its expert's packed bytes and scales and decodes them with
+``w4a16._dequant_tile`` (the dense kernel's decoder) right before ``tl.dot``. The reference loops
+over the experts that received pairs and dequantizes one expert at a time: it is the CPU path,
+so the packed experts are never expanded to a full-precision copy of the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device, dot_precision
+import triton
+import triton.language as tl
+# isort: on
+
+from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.moe_align import _moe_align_block_size_triton
+from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_activation_ref, moe_config
+from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, check_w4, dequantize_w4
+
+
+def _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec, activation) -> tuple:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
+    if hidden.dim() != 2 or w13_q.dim() != 3 or w2_q.dim() != 3:
+        raise ValueError("fused_experts_w4a16 expects hidden [T, H], packed w13 [E, 2I, H/2], w2 [E, H, I/2]")
+    t, h = hidden.shape
+    e, two_i = w13_q.shape[:2]
+    if two_i % 2 or w2_q.shape[:2] != (e, h):
+        raise ValueError(f"packed experts {tuple(w13_q.shape)}, {tuple(w2_q.shape)} do not fit hidden size {h}")
+    check_w4(w13_q, w13_s, codec, h)
+    check_w4(w2_q, w2_s, codec, two_i // 2)
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} for {t} tokens")
+    if (w13_g is not None or w2_g is not None) != (codec == "nvfp4") or (w13_g is None) != (w2_g is None):
+        raise ValueError("global scales w13_g and w2_g go with the nvfp4 codec, both or neither")
+    return t, h, e, two_i // 2
+
+
+def fused_experts_w4a16_ref(
+    hidden: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_s: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_s: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    w13_g: torch.Tensor | None = None,
+    w2_g: torch.Tensor | None = None,
+    codec: str = "int4",
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: ``fused_experts_ref`` with each expert's weights dequantized when
+    it is reached (rounded to the activation dtype, as the kernel feeds the MMA); global scales and
+    biases applied to the fp32 products."""
+    t, h, _, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
+                            activation)
+    k = topk_ids.shape[1]
+    if t == 0:
+        return hidden.new_empty(0, h)
+    out = hidden.new_empty(t * k, h)
+    flat = topk_ids.reshape(-1).long()
+    wflat = topk_weights.reshape(-1).float()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pairs = order[start : start + c]
+        start += c
+        w13 = dequantize_w4(w13_q[e], w13_s[e], codec, h).to(hidden.dtype).float()
+        w2 = dequantize_w4(w2_q[e], w2_s[e], codec, inter).to(hidden.dtype).float()
+        gu = F.linear(hidden[pairs // k].float(), w13)
+        if w13_g is not None:
+            gu = gu * w13_g[e].float()
+        if w13_bias is not None:
+            gu = gu + w13_bias[e].float()
+        act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
+        y = F.linear(act.float(), w2)
+        if w2_g is not None:
+            y = y * w2_g[e].float()
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
+    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+
+
+@triton.jit
+def _moe_w4_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    num_pairs, inter, hidden, sxm, swe, swn, sse, ssn, sbe, som,
+    alpha, limit,
+    TOP_K: tl.constexpr,
+    ACT: tl.constexpr,
+    CODEC: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Program (row tile, column tile): out[pair, n] = act(x[pair // k] . G[e, n], x . U[e, n]) with
+    G, U the dequantized gate and up rows of expert e = expert_ids[tile]; sentinel rows are skipped."""
+    pid = tl.program_id(0)
+    num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    if pid_m * BLOCK_M >= tl.load(npost_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < num_pairs
+    row = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // GROUP)
+    a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
+    g_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] // 2
+    u_ptrs = g_ptrs + inter * swn
+    gs_ptrs = s_ptr + e * sse + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
+    us_ptrs = gs_ptrs + inter * ssn
+    shift = (offs_k[:, None] % 2) * 4
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(0, (hidden + BLOCK_K - 1) // BLOCK_K):
+        krem = hidden - kk * BLOCK_K
+        kmask = offs_k < krem
+        wmask = nmask[None, :] & kmask[:, None]
+        smask = nmask[None, :] & (offs_g[:, None] * GROUP < krem)
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        bg = tl.load(g_ptrs, mask=wmask, other=0).to(tl.int32)
+        wg = _dequant_tile((bg >> shift) & 15, tl.load(gs_ptrs, mask=smask, other=0), CODEC, GROUP, BLOCK_K,
+                           BLOCK_N)
+        acc_g = tl.dot(a, wg.to(a.dtype), acc_g, input_precision=DOT_PREC)
+        bu = tl.load(u_ptrs, mask=wmask, other=0).to(tl.int32)
+        wu = _dequant_tile((bu >> shift) & 15, tl.load(us_ptrs, mask=smask, other=0), CODEC, GROUP, BLOCK_K,
+                           BLOCK_N)
+        acc_u = tl.dot(a, wu.to(a.dtype), acc_u, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K // 2
+        u_ptrs += BLOCK_K // 2
+        gs_ptrs += BLOCK_K // GROUP
+        us_ptrs += BLOCK_K // GROUP
+    if HAS_GLOBAL:
+        gscale = tl.load(g_ptr + e).to(tl.float32)
+        acc_g = acc_g * gscale
+        acc_u = acc_u * gscale
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + e * sbe + inter + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
+    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_w4_down_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, tw_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    num_pairs, hidden, inter, sxm, swe, swn, sse, ssn, sbe, som,
+    CODEC: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Program (row tile, column tile): out[pair, n] = (x[pair] . D[e, n] + b2[e, n]) * topk_weight[pair]."""
+    pid = tl.program_id(0)
+    num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    if pid_m * BLOCK_M >= tl.load(npost_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < num_pairs
+    row = tl.where(valid, pair, 0).to(tl.int64)
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_K // GROUP)
+    a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
+    b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] // 2
+    s_ptrs = s_ptr + e * sse + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
+    shift = (offs_k[:, None] % 2) * 4
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(0, (inter + BLOCK_K - 1) // BLOCK_K):
+        krem = inter - kk * BLOCK_K
+        kmask = offs_k < krem
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0).to(tl.int32)
+        sc = tl.load(s_ptrs, mask=nmask[None, :] & (offs_g[:, None] * GROUP < krem), other=0)
+        w = _dequant_tile((b >> shift) & 15, sc, CODEC, GROUP, BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // GROUP
+    if HAS_GLOBAL:
+        acc = acc * tl.load(g_ptr + e).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    acc = acc * tl.load(tw_ptr + row, mask=valid, other=0.0)[:, None]
+    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _fused_experts_w4a16_triton(
+    hidden: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_s: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_s: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    w13_g: torch.Tensor | None = None,
+    w2_g: torch.Tensor | None = None,
+    codec: str = "int4",
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """See ``fused_experts_w4a16_ref``. ``config`` overrides ``moe_config`` (benchmark sweeps)."""
+    check_device(hidden)
+    t, h, e, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
+                            activation)
+    k = topk_ids.shape[1]
+    if t == 0:
+        return hidden.new_empty(0, h)
+    hidden = hidden.contiguous()
+    w13_q, w13_s, w2_q, w2_s = _contig(w13_q), _contig(w13_s), _contig(w2_q), _contig(w2_s)
+    tw = topk_weights.reshape(-1).float().contiguous()
+    cfg = moe_config(t, k, e, hidden.dtype)
+    if config:
+        cfg = {**cfg, **config}
+    bm, gm = cfg["BLOCK_M"], cfg["GROUP_M"]
+    sorted_ids, expert_ids, npost = _moe_align_block_size_triton(topk_ids, e, bm)
+    tiles_m = sorted_ids.numel() // bm
+    common = dict(CODEC=CODECS.index(codec), GROUP=GROUP_SIZE[codec], HAS_GLOBAL=w13_g is not None,
+                  BLOCK_M=bm, GROUP_M=gm, DOT_PREC=dot_precision(hidden.dtype))
+    n_pairs = t * k
+
+    inter_out = hidden.new_empty(n_pairs, inter)
+    gu = cfg["gate_up"]
+    b13 = w13_bias.contiguous() if w13_bias is not None else w13_s
+    g13 = w13_g.float().contiguous() if w13_g is not None else w13_s
+    _moe_w4_gate_up_kernel[(tiles_m * triton.cdiv(inter, gu["BLOCK_N"]),)](
+        hidden, w13_q, w13_s, g13, b13, inter_out, sorted_ids, expert_ids, npost,
+        n_pairs, inter, h, hidden.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1),
+        b13.stride(0), inter_out.stride(0), float(swiglu_alpha), float(swiglu_limit),
+        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, **common, **gu,
+    )
+    pair_out = hidden.new_empty(n_pairs, h)
+    dn = cfg["down"]
+    b2 = w2_bias.contiguous() if w2_bias is not None else w2_s
+    g2 = w2_g.float().contiguous() if w2_g is not None else w2_s
+    _moe_w4_down_kernel[(tiles_m * triton.cdiv(h, dn["BLOCK_N"]),)](
+        inter_out, w2_q, w2_s, g2, b2, tw, pair_out, sorted_ids, expert_ids, npost,
+        n_pairs, h, inter, inter_out.stride(0), w2_q.stride(0), w2_q.stride(1), w2_s.stride(0), w2_s.stride(1),
+        b2.stride(0), pair_out.stride(0), HAS_BIAS=w2_bias is not None, **common, **dn,
+    )
+    return _moe_sum_triton(pair_out.view(t, k, h))
+
+
+@torch.library.custom_op("tokenfab::fused_experts_w4a16", mutates_args=())
+def fused_experts_w4a16(
+    hidden: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_s: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_s: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    w13_g: torch.Tensor | None = None,
+    w2_g: torch.Tensor | None = None,
+    codec: str = "int4",
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    """The routed experts of one MoE layer with 4-bit packed weights; see the module docstring."""
+    if use_triton(hidden):
+        return _fused_experts_w4a16_triton(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias,
+                                           w2_bias, w13_g, w2_g, codec, activation, swiglu_alpha, swiglu_limit)
+    return fused_experts_w4a16_ref(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias, w2_bias,
+                                   w13_g, w2_g, codec, activation, swiglu_alpha, swiglu_limit)
+
+
+@fused_experts_w4a16.register_fake
+def _(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias=None, w2_bias=None, w13_g=None,
+      w2_g=None, codec="int4", activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
+    return hidden.new_empty(hidden.shape)
+
+
+def fused_experts_w4a16_eager(*args, **kwargs) -> torch.Tensor:
+    """What layers call: the custom op under ``torch.compile``, else Triton or the reference by the
+    dispatch rule (skipping the custom-op dispatcher on CPU)."""
+    hidden = args[0]
+    if torch.compiler.is_compiling():
+        return fused_experts_w4a16(*args, **kwargs)
+    if use_triton(hidden):
+        return _fused_experts_w4a16_triton(*args, **kwargs)
+    return fused_experts_w4a16_ref(*args, **kwargs)
