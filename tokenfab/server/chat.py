@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.server.chat_harmony import HarmonyShaper, harmony_stop_token_ids, render_harmony_prompt, uses_harmony
 from tokenfab.server.chat_tools import (
     DEFAULT_TOOL_PARSER,
     ChoiceShaper,
@@ -101,12 +102,20 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     plan = check_request(body)
     template_kwargs = body.chat_template_kwargs.model_dump(exclude_none=True) if body.chat_template_kwargs else None
-    kwargs = dict(template_kwargs or {})
-    if plan.tools and plan.mode != "none":
-        kwargs["tools"] = plan.tools
-    text = await server.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                    kwargs or None, body.chat_template)
-    ids = await server.tokenize(text, add_special_tokens=False, param="messages")
+    if body.reasoning_effort is not None:  # the top-level field wins over chat_template_kwargs (vLLM's rule)
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": body.reasoning_effort}
+    tool_parser, reasoning_name = parser_names(server)
+    harmony = uses_harmony(tool_parser, reasoning_name, body)
+    if harmony:  # GPT-OSS: openai-harmony renders token ids (reasoning_effort in its system message)
+        text = None
+        ids = await server.offload(render_harmony_prompt, body, plan, param="messages")
+    else:
+        kwargs = dict(template_kwargs or {})
+        if plan.tools and plan.mode != "none":
+            kwargs["tools"] = plan.tools
+        text = await server.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                        kwargs or None, body.chat_template)
+        ids = await server.tokenize(text, add_special_tokens=False, param="messages")
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
@@ -115,16 +124,22 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
         raise APIError(400, f"tool_choice {plan.mode} is enforced by a grammar and cannot be combined with "
                        "response_format", param="response_format")
     constraint = await server.build_constraint(tool_format or body.response_format)
-    tool_parser, reasoning_name = parser_names(server)
     reasoning = (get_reasoning_parser(reasoning_name, chat_template_kwargs=template_kwargs, prompt=text)
-                 if reasoning_name else None)
+                 if reasoning_name and not harmony else None)
     params = server.sampling_params(body, max_tokens, k, constraint, body.prompt_logprobs)
+    if harmony:  # <|return|> ends an answer, <|call|> a tool call
+        params.stop_token_ids = sorted({*params.stop_token_ids, *harmony_stop_token_ids()})
+
+    def shaper() -> ChoiceShaper | HarmonyShaper:
+        if harmony and not plan.constrained:
+            return HarmonyShaper(plan)
+        return ChoiceShaper(plan, None if harmony else tool_parser, reasoning)
     server.check_request([ids], params, "messages")
     request_id = random_id("chatcmpl")
     stream = await server.submit([ids], params, body.priority, arrival, request_id, body.cache_salt)
     created = int(time.time())
     if body.stream:
-        shapers = [ChoiceShaper(plan, tool_parser, reasoning) for _ in range(stream.num_choices)]
+        shapers = [shaper() for _ in range(stream.num_choices)]
         gen = _chat_stream(server, body, request, stream, request_id, created, len(ids), k, shapers)
         return EngineStreamingResponse(gen, stream)
     finals = await collect(stream, request)
@@ -143,8 +158,11 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
             lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
             gen_ids = [t for c in chunks for t in c.delta_token_ids]
             logprobs = {"content": chat_logprobs(server.tokenizer, gen_ids, lps, k)}
-        message, reason = ChoiceShaper(plan, tool_parser, reasoning).final(last.text or "",
-                                                                           finish(last.finish_reason))
+        s = shaper()
+        if isinstance(s, HarmonyShaper):
+            message, reason = s.final_ids(token_ids, finish(last.finish_reason))
+        else:
+            message, reason = s.final(last.text or "", finish(last.finish_reason))
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
                         "stop_reason": last.stop_reason})
     response = {
@@ -159,7 +177,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
 
 async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
                        request_id: str, created: int, num_prompt: int, k: int | None,
-                       shapers: list[ChoiceShaper]) -> AsyncIterator[str]:
+                       shapers: list[ChoiceShaper | HarmonyShaper]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -196,10 +214,10 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
                 p["choices"] = []
                 p["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
                 yield sse(p)
-            if not (chunk.delta_text or chunk.finished or logprobs):
+            if not (chunk.delta_text or chunk.delta_token_ids or chunk.finished or logprobs):
                 continue
             shaper = shapers[chunk.index]
-            deltas = shaper.feed(chunk.delta_text) if chunk.delta_text else []
+            deltas = shaper.feed_chunk(chunk)
             reason = finish(chunk.finish_reason)
             if chunk.finished:
                 tail, reason = shaper.finish(reason)

@@ -6,7 +6,13 @@
   sorts keys and the name must come first to stream), or for a named function its arguments object alone.
   The call therefore always parses and matches its schema, even from a model never trained on tools.
 - ``tool_choice: "auto"`` reads calls out of the content with the model family's tool parser
-  (``server/tools``); ``"none"`` (or no tools) leaves the content alone.
+  (``server/tools``); ``"none"`` (or no tools) leaves the content alone. Each call is checked before it is
+  returned (`call_ok`: a tool of the request, arguments a JSON object valid against its ``parameters`` schema,
+  by jsonschema). Non-streamed, one failing call turns the whole output back into content (as a malformed call
+  does in the parsers). Streamed, a call is held back until it is complete and checked, then sent (its id, name
+  and whole arguments in one delta) or, failing, sent as content (the model's own text of that call). ``strict``
+  tools get the same check; grammar enforcement in auto mode (starting a constraint when a call begins) is not
+  done, it would need xgrammar structural tags in ``engine/structured.py``.
 - A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
   the content only.
 
@@ -47,6 +53,22 @@ class ToolPlan:
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _EMPTY_OBJECT
+
+
+def call_ok(plan: ToolPlan, name: str | None, arguments: str) -> bool:
+    """True when ``name`` is one of the request's tools and ``arguments`` is a JSON object that validates
+    against that tool's ``parameters`` schema (checked already by `check_request`)."""
+    tool = next((t for t in plan.tools if t["function"]["name"] == name), None)
+    if tool is None:
+        return False
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return False
+    if not isinstance(args, dict):
+        return False
+    schema = _parameters(tool)
+    return jsonschema.validators.validator_for(schema)(schema).is_valid(args)
 
 
 def check_request(body: ChatCompletionRequest) -> ToolPlan:
@@ -213,7 +235,11 @@ class ChoiceShaper:
         self._array = _ArrayToSemicolons() if plan.mode == "required" and plan.parallel else None
         self._named_id: str | None = None
         self.num_calls = 0
-        self._ids: dict[int, str] = {}
+        self._held: list[Any] | None = None  # auto: [parser index, id, name, arguments] of the call being written
+
+    def feed_chunk(self, chunk: Any) -> list[dict[str, Any]]:
+        """The delta dicts for one engine `StreamChunk` (this shaper reads its text)."""
+        return self.feed(chunk.delta_text) if chunk.delta_text else []
 
     # ---- whole output ----
     def final(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -228,7 +254,7 @@ class ChoiceShaper:
             calls = _constrained_calls(self.plan, self.parser, content or "")
         elif self.parser is not None and content:
             parsed = self.parser.extract(content)
-            if parsed.calls:
+            if parsed.calls and all(call_ok(self.plan, c.name, c.arguments_json) for c in parsed.calls):
                 content = parsed.content
                 calls = [_call_json(None, c.id, c.name, c.arguments_json) for c in parsed.calls]
         if calls:
@@ -260,6 +286,7 @@ class ChoiceShaper:
                                                                           "reasoning": piece}])
         if self._tstream is not None:
             out.extend(self._tool_deltas(self._tstream.finish()))
+            out.extend(self._release())
         if self.num_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return out, finish_reason
@@ -282,12 +309,31 @@ class ChoiceShaper:
             text = self._array.feed(text)
         return self._tool_deltas(self._tstream.feed(text))
 
+    def _release(self) -> list[dict[str, Any]]:
+        """auto: send the held call, now complete (or cut off), if it passes `call_ok`; else its text as content."""
+        held, self._held = self._held, None
+        if held is None:
+            return []
+        index, call_id, name, arguments = held
+        if not call_ok(self.plan, name, arguments):
+            text = self._tstream.call_text(index) if self._tstream is not None else arguments
+            return [{"content": text}] if text else []
+        self.num_calls += 1
+        return [{"tool_calls": [_call_json(self.num_calls - 1, call_id, name, arguments)]}]
+
     def _tool_deltas(self, deltas: list[Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for d in deltas:
             if isinstance(d, ContentDelta):
                 if d.text:
+                    out.extend(self._release())  # content after a call: the call has ended
                     out.append({"content": d.text})
+            elif isinstance(d, ToolCallDelta) and self.plan.mode == "auto":
+                if d.id is not None:  # a new call: the one before it has ended
+                    out.extend(self._release())
+                    self._held = [d.index, d.id, d.name, d.arguments]
+                elif self._held is not None:
+                    self._held[3] += d.arguments
             elif isinstance(d, ToolCallDelta):
                 call: dict[str, Any] = {"index": d.index}
                 if d.id is not None:

@@ -222,6 +222,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="default: auto with tools, none without; required/named are grammar-enforced")
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="GPT-OSS: goes into the Harmony system message (default medium); other models' "
+        "templates receive it as the chat_template_kwargs key of the same name")
 
 
 class TokenizeRequest(_Request):

@@ -237,6 +237,12 @@ class ToolCallStream:
         self._content_sent = end
         return out
 
+    def call_text(self, index: int) -> str:
+        """The model's own text of call `index` (its markers and arguments as generated), e.g. to return a call
+        that fails its schema as content."""
+        calls = self._parser.scan(self._text, final=True).calls
+        return calls[index].raw if index < len(calls) else ""
+
     def finish(self) -> list[Delta]:
         scan = self._parser.scan(self._text, final=True)
         out = self._emit(scan, final=True)
