@@ -122,3 +122,16 @@ def test_custom_op_and_zero_rows(device, gen):
     x = torch.randn(2, 64, generator=gen)
     out = torch.ops.tokenfab.w4a16_gemm(x, q, s, None, None, "mxfp4", 64)
     assert_close(out, w4a16_gemm_ref(x, q, s, None, None, "mxfp4", 64))
+
+
+def test_per_row_global_scale(device, gen):
+    """A merged NVFP4 projection: each output row has its shard's global scale."""
+    q, s, _ = make_weight("nvfp4", 48, 64, gen)
+    gs = torch.cat([torch.full((16,), 0.01), torch.full((32,), 0.03)])
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    want = w4a16_gemm_ref(x, q, s, gs, None, "nvfp4", 64)
+    split = torch.cat([w4a16_gemm_ref(x, q[:16], s[:16], gs[:1], None, "nvfp4", 64),
+                       w4a16_gemm_ref(x, q[16:], s[16:], gs[16:17], None, "nvfp4", 64)], dim=1)
+    torch.testing.assert_close(want, split)
+    got = w4a16._w4a16_gemm_triton(x.to(device), q.to(device), s.to(device), gs.to(device), None, "nvfp4", 64)
+    assert_close(got, want.to(device))

@@ -1,6 +1,6 @@
 """W4A16 GEMM: 16/32-bit activations times 4-bit packed weights, dequantized in registers.
 
-    out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]),   w[n, k] = value(code[n, k]) * scale[n, k // G] (* g)
+    out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]),   w[n, k] = value(code[n, k]) * scale[n, k // G] (* g[n])
 
 Three weight codecs share one byte layout, ``qweight`` uint8 [N, ceil(K / 2)]: byte j of a row
 holds elements 2j (low nibble) and 2j + 1 (high nibble). Each checkpoint format is that layout
@@ -12,13 +12,14 @@ as stored, viewed without a copy:
 - ``mxfp4``: GPT-OSS ``*_blocks`` uint8 [rows, K/32, 16]; E2M1 values (sign bit 3; 0, .5, 1, 1.5,
   2, 3, 4, 6); ``*_scales`` uint8 E8M0, ``2^(s - 127)`` (G = 32).
 - ``nvfp4``: ModelOpt ``weight`` uint8 [N, K/2]; E2M1; ``weight_scale`` float8 E4M3 [N, K/16]
-  (G = 16) times the float32 global ``weight_scale_2``.
+  (G = 16) times the float32 global ``weight_scale_2`` (one per tensor; a merged projection passes
+  one per output row, each shard's own).
 
 The kernel streams a [BLOCK_K / G, BLOCK_N] tile of scales and the [BLOCK_K, BLOCK_N] nibbles
 (each byte read for its two elements), decodes the codes with integer ops, multiplies by the
 scale broadcast over its group, rounds to the activation dtype and feeds ``tl.dot`` (fp32
-accumulator; exact "ieee" products for fp32 activations). NVFP4's global scale multiplies the
-accumulator once, with the bias, at the end.
+accumulator; exact "ieee" products for fp32 activations). NVFP4's global scale (a scalar, or one
+per output column) multiplies the accumulator once, with the bias, at the end.
 
 Hopper has no FP4 tensor cores, so MXFP4/NVFP4 run here as W4A16 (as vLLM and SGLang do on
 Hopper). A Blackwell (sm_100) path slots in at the one place the weight tile meets the MMA: for
@@ -110,7 +111,7 @@ def w4a16_gemm_ref(
     w = dequantize_w4(qweight, scales, codec, in_features).to(x.dtype)
     out = F.linear(x.float(), w.float())
     if global_scale is not None:
-        out = out * global_scale.float().reshape(())
+        out = out * global_scale.float().reshape(-1)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -148,7 +149,7 @@ def _dequant_tile(codes, scales, CODEC: tl.constexpr, GROUP: tl.constexpr, BLOCK
 @triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
-    M, N, K, sxm, swn, ssn, som,
+    M, N, K, sxm, swn, ssn, sgn, som,
     CODEC: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_GLOBAL: tl.constexpr,
@@ -191,7 +192,7 @@ def _w4a16_kernel(
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // GROUP
     if HAS_GLOBAL:
-        acc = acc * tl.load(g_ptr).to(tl.float32)
+        acc = acc * tl.load(g_ptr + offs_n * sgn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * som + offs_n[None, :]
@@ -243,10 +244,13 @@ def _w4a16_gemm_triton(
         sc = sc.contiguous()
     cfg = {**w4a16_config(m, x.dtype), **(config or {})}
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    g = global_scale.reshape(1).float() if global_scale is not None else sc
+    g = global_scale.reshape(-1).float().contiguous() if global_scale is not None else sc
+    if global_scale is not None and g.numel() not in (1, n):
+        raise ValueError(f"global_scale must have 1 or {n} elements, got {g.numel()}")
     b = bias if bias is not None else sc
     _w4a16_kernel[grid](
-        x2, qweight, sc, g, b, out, m, n, in_features, x2.stride(0), qweight.stride(0), sc.stride(0), out.stride(0),
+        x2, qweight, sc, g, b, out, m, n, in_features, x2.stride(0), qweight.stride(0), sc.stride(0),
+        int(g.numel() > 1), out.stride(0),
         CODEC=CODECS.index(codec), GROUP=GROUP_SIZE[codec], HAS_GLOBAL=global_scale is not None,
         HAS_BIAS=bias is not None, GROUP_M=8, DOT_PREC=dot_precision(x.dtype), **cfg,
     )
