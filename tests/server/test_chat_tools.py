@@ -257,3 +257,50 @@ def test_tools_and_tool_turns_reach_the_template() -> None:
                        kwargs={"tools": TOOLS}, chat_template=template)
     assert text == ("[tool get_weather][tool add]<user>What is the weather in Paris?"
                     "<assistant>(call call_1 add a=3)<tool>7(result of call_1)")
+
+
+def _shape_both(plan: ToolPlan, parser: str, out: str, finish: str = "stop"):
+    """(final message, reason) and the streamed deltas (1-character feeds) with their reason."""
+    msg, reason = ChoiceShaper(plan, parser, None).final(out, finish)
+    s = ChoiceShaper(plan, parser, None)
+    deltas = [d for ch in out for d in s.feed(ch)]
+    tail, sreason = s.finish(finish)
+    return msg, reason, deltas + tail, sreason
+
+
+@pytest.mark.parametrize("args", [
+    '{"city": "Berlin", "unit": "celsius"}',  # not in the enum
+    '{"city": "Lima"}',  # a required property missing
+    '{"city": "Lima", "unit": "celsius", "x": 1}',  # additionalProperties: false
+])
+def test_auto_call_failing_its_schema_is_content(args: str) -> None:
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    out = "Let me check.\n" + call
+    msg, reason, deltas, sreason = _shape_both(ToolPlan("auto", TOOL_DICTS), "hermes", out)
+    assert reason == sreason == "stop" and "tool_calls" not in msg and msg["content"] == out
+    assert not any("tool_calls" in d for d in deltas)
+    assert "".join(d["content"] for d in deltas) == "Let me check." + call  # the call's own text, as content
+
+
+def test_auto_unknown_tool_name_is_content_and_valid_calls_stream_whole() -> None:
+    plan = ToolPlan("auto", TOOL_DICTS)
+    out = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    msg, reason, deltas, _ = _shape_both(plan, "hermes", out)
+    assert "tool_calls" not in msg and msg["content"] == out and "".join(d["content"] for d in deltas) == out
+    # two valid calls then text: each call is one delta (id, name, whole arguments), indexes 0 and 1
+    calls = ['{"name": "add", "arguments": {"a": 1, "b": 2}}', '{"name": "add", "arguments": {"a": 3, "b": 4}}']
+    out = "".join(f"<tool_call>{c}</tool_call>" for c in calls)
+    msg, reason, deltas, sreason = _shape_both(plan, "hermes", out)
+    assert reason == sreason == "tool_calls"
+    sent = [tc for d in deltas for tc in d["tool_calls"]]
+    assert [(tc["index"], tc["function"]["name"], tc["function"]["arguments"]) for tc in sent] == [
+        (0, "add", '{"a": 1, "b": 2}'), (1, "add", '{"a": 3, "b": 4}')]
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [tc["function"]["arguments"] for tc in sent]
+
+
+def test_auto_cut_off_call_streams_as_content() -> None:
+    out = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1, '
+    msg, reason, deltas, sreason = _shape_both(ToolPlan("auto", TOOL_DICTS), "hermes", out, "length")
+    assert reason == sreason == "length" and msg["content"] == out
+    assert not any("tool_calls" in d for d in deltas)
+    assert "".join(d["content"] for d in deltas) == "Sure." + out[len("Sure. "):]  # the space before a call: dropped
