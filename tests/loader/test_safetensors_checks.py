@@ -116,35 +116,62 @@ def test_plain_checkpoint_loads(tmp_path, tiny_llama):
     torch.testing.assert_close(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("with_config", [True, False])
-@pytest.mark.parametrize("kind,config_fragment,file_fragment", [
-    ("fp8", "FP8 (block-quantized, weight_block_size [128, 128]", "FP8 block-quantized"),
-    ("packed", "compressed-tensors (format 'pack-quantized', weights int4 group)",
-     "compressed-tensors pack-quantized"),
-    ("mxfp4", "MXFP4", "MXFP4"),
+@pytest.mark.parametrize("kind,file_fragment", [
+    ("fp8", "FP8 block-quantized"),
+    ("packed", "compressed-tensors pack-quantized"),
+    ("mxfp4", "MXFP4"),
 ])
-def test_quantized_checkpoint_is_refused_naming_format_and_file(tmp_path, tiny_llama, kind, config_fragment,
-                                                                 file_fragment, with_config):
-    """With its quantization_config the refusal names config.json; without one (a stripped or
-    hand-made config), the first quantized tensor's dtype names the shard it sits in."""
+def test_quantized_tensors_without_config_are_refused_naming_format_and_shard(tmp_path, tiny_llama, kind,
+                                                                              file_fragment):
+    """Without a quantization_config (a stripped or hand-made config), the first quantized tensor's
+    dtype names the shard it sits in and the format."""
     config, tensors = tiny_llama
-    qc = {"fp8": FP8_CONFIG, "packed": PACKED_CONFIG, "mxfp4": MXFP4_CONFIG}[kind] if with_config else None
-    path = _write(tmp_path / kind, config, _quantized(tensors, kind), shards=2, quantization_config=qc)
+    path = _write(tmp_path / kind, config, _quantized(tensors, kind), shards=2)
     with pytest.raises(ModelLoadError) as info:
         _load(path)
     msg = str(info.value)
     assert "unsupported quantized checkpoint" in msg
-    if with_config:
-        assert info.value.path == str(path / "config.json")
-        assert config_fragment in msg
-    else:
-        assert Path(info.value.path).parent == path and info.value.path.endswith(".safetensors")
-        assert file_fragment in msg
-        # the named tensor is really in the named shard
-        from safetensors import safe_open
+    assert Path(info.value.path).parent == path and info.value.path.endswith(".safetensors")
+    assert file_fragment in msg
+    # the named tensor is really in the named shard
+    from safetensors import safe_open
 
-        with safe_open(info.value.path, framework="pt") as fh:
-            assert any(f"tensor {n} " in msg for n in fh.keys())
+    with safe_open(info.value.path, framework="pt") as fh:
+        assert any(f"tensor {n} " in msg for n in fh.keys())
+
+
+@pytest.mark.parametrize("qc,fragment", [
+    (dict(FP8_CONFIG, weight_block_size=[64, 64]), "FP8 (block-quantized, weight_block_size [64, 64]"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"}, "per-tensor FP8"),
+    (dict(FP8_CONFIG, fmt="e5m2"), "fmt e5m2"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "GPTQ (4-bit)"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+])
+def test_unsupported_quantization_config_is_refused_naming_config(tmp_path, tiny_llama, qc, fragment):
+    """A quantization_config no tokenfab.quant format loads: the refusal names config.json and the
+    format, and lists what does load (block FP8 among them)."""
+    config, tensors = tiny_llama
+    path = _write(tmp_path / "q", config, _quantized(tensors, "fp8"), quantization_config=qc)
+    with pytest.raises(ModelLoadError) as info:
+        _load(path)
+    msg = str(info.value)
+    assert info.value.path == str(path / "config.json")
+    assert "unsupported quantized checkpoint" in msg and fragment in msg
+
+
+def test_fp8_block_checkpoint_with_config_loads(tmp_path, tiny_llama):
+    """The same float8 tensors with their quantization_config load (tokenfab.quant.fp8_block), the
+    weights kept float8, and compute what the dequantized weights compute."""
+    from tokenfab.quant.fp8_block import FP8Linear
+
+    config, tensors = tiny_llama
+    q = _quantized(tensors, "fp8")
+    loaded = _load(_write(tmp_path / "fp8", config, q, shards=2, quantization_config=FP8_CONFIG))
+    layer = loaded.model.model.layers[1].mlp.down_proj
+    assert isinstance(layer, FP8Linear) and layer.qweight.dtype == torch.float8_e4m3fn
+    w = q["model.layers.1.mlp.down_proj.weight"].float() * q["model.layers.1.mlp.down_proj.weight_scale_inv"][0, 0]
+    x = torch.randn(3, w.shape[1])
+    torch.testing.assert_close(layer(x), x @ w.T)
 
 
 def test_fp8_weight_scale_inv_alone_is_not_dropped(tmp_path, tiny_llama):

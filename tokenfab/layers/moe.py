@@ -82,6 +82,15 @@ class FusedMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self._loaded: dict[str, set] = {}
+        # quantized experts (tokenfab/quant): when set, they replace the stacked weights' product and
+        # take the checkpoint's expert tensors (load_expert(kind, suffix, tensor, expert))
+        self.quant_experts: nn.Module | None = None
+
+    def set_quant_experts(self, experts: nn.Module) -> None:
+        """Hand the experts' product and weights to a quantized module; the plain stacked weights go."""
+        self.quant_experts = experts
+        for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+            setattr(self, name, None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int32)."""
@@ -98,10 +107,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = fused_experts(
-            x, self.w13_weight, self.w2_weight, weights, ids, self.w13_bias, self.w2_bias, self.activation,
-            self.swiglu_alpha, self.swiglu_limit,
-        )
+        if self.quant_experts is not None:
+            out = self.quant_experts(x, weights, ids)
+        else:
+            out = fused_experts(
+                x, self.w13_weight, self.w2_weight, weights, ids, self.w13_bias, self.w2_bias, self.activation,
+                self.swiglu_alpha, self.swiglu_limit,
+            )
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -165,20 +177,32 @@ class FusedMoE(nn.Module):
 # Per-expert checkpoint projections -> FusedMoE tensor kinds (Qwen/DeepSeek and Mixtral names).
 EXPERT_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up",
                       "w2": "down"}
-_PER_EXPERT = re.compile(r"^(?P<mod>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<what>weight|bias)$")
+_QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "weight_packed", "weight_shape",
+                   "weight_zero_point", "input_scale")
+_PER_EXPERT = re.compile(r"^(?P<mod>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<what>weight|bias|"
+                         + "|".join(_QUANT_SUFFIXES) + r")$")
 _STACKED = re.compile(r"^(?P<mod>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 
 
 def load_moe_tensor(model: nn.Module, module: str, kind: str, tensor: torch.Tensor,
-                    expert: int | None = None) -> list[str] | None:
+                    expert: int | None = None, suffix: str = "weight") -> list[str] | None:
     """Load into the FusedMoE at ``module`` (None when there is none: the tensor is not ours);
-    returns the completed parameters' full names."""
+    returns the completed parameters' full names. With quantized experts the tensor goes to
+    ``quant_experts.load_expert(kind, suffix, tensor, expert)`` (kind "gate"/"up"/"down"/"gate_up"/"w13"/"w2";
+    the quantized module reports its own missing tensors)."""
     try:
         moe = model.get_submodule(module)
     except AttributeError:
         return None
     if not isinstance(moe, FusedMoE):
         return None
+    if moe.quant_experts is not None:
+        if kind.endswith("_bias"):
+            kind, suffix = kind.removesuffix("_bias"), "bias"
+        moe.quant_experts.load_expert(kind, suffix, tensor, expert)
+        return []
+    if suffix != "weight":
+        raise ValueError(f"{module}: expert tensor {kind}.{suffix} is quantized but the layer's experts are not")
     return [f"{module}.{n}" for n in moe.load_expert_weight(kind, tensor, expert)]
 
 
@@ -190,7 +214,8 @@ def load_expert_checkpoint_tensor(model: nn.Module, name: str, tensor: torch.Ten
     m = _PER_EXPERT.match(name)
     if m is not None and m["proj"] in EXPERT_PROJECTIONS:
         kind = EXPERT_PROJECTIONS[m["proj"]] + ("_bias" if m["what"] == "bias" else "")
-        return load_moe_tensor(model, m["mod"], kind, tensor, int(m["e"]))
+        suffix = m["what"] if m["what"] not in ("weight", "bias") else "weight"
+        return load_moe_tensor(model, m["mod"], kind, tensor, int(m["e"]), suffix)
     m = _STACKED.match(name)
     if m is not None:
         kind = ("w13" if m["proj"] == "gate_up_proj" else "w2") + ("_bias" if m["bias"] else "")

@@ -5,13 +5,14 @@ float8_e4m3fn weights beside ``weight_scale_inv`` block scales: copying the floa
 bfloat16 parameters and dropping the scales runs, and answers nonsense. So a checkpoint is
 refused, with the file and the format named, when
 
-* its ``config.json`` carries a ``quantization_config`` whose ``quant_method`` this architecture
-  does not load (:func:`check_quantization_config`), or
+* its ``config.json`` carries a ``quantization_config`` whose ``quant_method`` no format module of
+  tokenfab.quant loads (:func:`check_quantization_config`; the message lists the formats that load), or
 * a tensor's dtype is one no parameter takes as is: a float8 type, or an integer type that the
   model's own ``load_checkpoint_tensor`` does not consume (:func:`unsupported_tensor_problem`).
 
-What does load: unquantized float32 / float16 / bfloat16 tensors for every architecture, and
-MXFP4 experts (``*_blocks`` / ``*_scales`` uint8 pairs) for GPT-OSS, dequantized at load.
+What does load: unquantized float32 / float16 / bfloat16 tensors for every architecture, the
+formats registered in :mod:`tokenfab.quant.config` (kept packed), and MXFP4 experts
+(``*_blocks`` / ``*_scales`` uint8 pairs) for GPT-OSS through the model's own hook.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from tokenfab.loader.errors import ModelLoadError
 
 # quant_method -> the architectures whose models dequantize it at load
 SUPPORTED_QUANT_METHODS: dict[str, tuple[str, ...]] = {"mxfp4": ("GptOssForCausalLM",)}
@@ -100,26 +99,26 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) else None
 
 
-def check_quantization_config(config_path: Path, arch: str) -> None:
-    """Refuse a checkpoint whose config.json names a quantization this architecture cannot load."""
+def check_quantization_config(config_path: Path, arch: str) -> Any:
+    """The checkpoint's QuantMethod (tokenfab.quant), None for an unquantized checkpoint or one whose
+    model dequantizes its format at load (:data:`SUPPORTED_QUANT_METHODS`); a format we cannot load
+    is a ModelLoadError naming config.json (or hf_quant_config.json), the format, and what loads."""
+    from tokenfab.quant.config import QUANT_METHODS, _load_providers, registry_key, resolve_quant_method
+
+    config_path = Path(config_path)
     try:
-        raw = json.loads(Path(config_path).read_text())
+        raw = json.loads(config_path.read_text())
     except (OSError, ValueError):
-        return  # load_hf_config reports unreadable configs
-    qc = quantization_config(raw) if isinstance(raw, dict) else None
-    if qc is None:
-        return
-    method = str(qc.get("quant_method", ""))
-    if arch in SUPPORTED_QUANT_METHODS.get(method, ()):
-        return
-    where = [m for m, archs in SUPPORTED_QUANT_METHODS.items()]
-    raise ModelLoadError(
-        config_path,
-        f"unsupported quantized checkpoint: quantization_config is {describe_quantization(qc)}, which tokenfab "
-        f"cannot load for {arch} yet (it loads float32/float16/bfloat16 weights"
-        + "".join(f", and {_METHOD_NAMES.get(m, m)} for {', '.join(SUPPORTED_QUANT_METHODS[m])}" for m in where)
-        + "); use an unquantized checkpoint or a GGUF file",
-    )
+        return None  # load_hf_config reports unreadable configs
+    if not isinstance(raw, dict):
+        return None
+    qc = quantization_config(raw)
+    if qc is not None:
+        _load_providers()
+        key = registry_key(qc)
+        if key not in QUANT_METHODS and arch in SUPPORTED_QUANT_METHODS.get(key, ()):
+            return None  # the model's own loader hook dequantizes it
+    return resolve_quant_method(config_path.parent, raw)
 
 
 def format_of_tensor(name: str, tensor: torch.Tensor, siblings: Collection[str] = ()) -> str:

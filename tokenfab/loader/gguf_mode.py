@@ -7,6 +7,7 @@
 - ``gguf-q8act``: packed weights and int8 activation blocks (llama.cpp's Q8_0/Q8_1 activation
   quantization, int8 dot products); faster, drifts from float32 (measured in the README).
 - ``none``: dequantize every tensor to ``--dtype`` at load (the float32 path of before).
+- ``fp8`` / ``fp8-block`` (safetensors directories only): quantize float weights to FP8 at load.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from tokenfab.loader.gguf import PACKABLE_TYPES, GGUFCheckpoint
 
 log = logging.getLogger("tokenfab")
 
-QUANTIZATION_CHOICES = ("gguf", "gguf-q8act", "none")
+# online quantization of a float safetensors directory (tokenfab.quant.online): FP8 weights with
+# per-output-channel scales ("fp8") or 128x128 block scales ("fp8-block")
+ONLINE_CHOICES = ("fp8", "fp8-block")
+QUANTIZATION_CHOICES = ("gguf", "gguf-q8act", "none", *ONLINE_CHOICES)
 _ACT = {"gguf": "f32", "gguf-q8act": "q8"}
 
 

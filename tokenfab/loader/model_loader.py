@@ -78,9 +78,11 @@ def load_model(
     ``path`` is a directory with config.json + safetensors, a .gguf file, or None for the
     bundled SmolLM2-135M-Instruct. ``quantization`` (GGUF files): see
     :func:`tokenfab.loader.gguf_mode.resolve_gguf_mode`; None picks packed weights for a quantized
-    GGUF file on CPU in float32.
+    GGUF file on CPU in float32. "fp8" / "fp8-block" quantize float weights online
+    (tokenfab.quant.online; a GGUF file is dequantized first). A quantized checkpoint
+    (quantization_config) loads through its tokenfab.quant format, its weights kept packed.
     """
-    from tokenfab.loader.gguf_mode import check_quantization_arg
+    from tokenfab.loader.gguf_mode import ONLINE_CHOICES, check_quantization_arg
 
     check_quantization_arg(quantization)
     name, gguf_act = None, None
@@ -89,15 +91,22 @@ def load_model(
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(path, "no such file or directory")
-    if path.is_dir() and quantization not in (None, "none"):
-        raise ValueError(f"--quantization {quantization} applies to .gguf files; {path} is a directory")
+    if path.is_dir() and quantization not in (None, "none", *ONLINE_CHOICES):
+        raise ValueError(f"--quantization {quantization} applies to .gguf files; a directory takes "
+                         f"{', '.join(ONLINE_CHOICES)} (online quantization); {path} is a directory")
+    quant_method = None
+    if quantization in ONLINE_CHOICES:
+        from tokenfab.quant.online import online_quant_method
+
+        quant_method = online_quant_method(quantization)
     if path.is_file() and path.suffix == ".gguf":
         from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
         from tokenfab.loader.gguf_mode import resolve_gguf_mode
 
         ckpt = load_gguf(path)
         config, arch, weights = ckpt.config, ckpt.architecture, ckpt.tensors()
-        gguf_act = resolve_gguf_mode(quantization, ckpt, dtype, device)
+        # online FP8 of a GGUF file: its tensors dequantized at load, then quantized to FP8
+        gguf_act = resolve_gguf_mode("none" if quant_method else quantization, ckpt, dtype, device)
         tokenizer = load_gguf_tokenizer(path) if load_tokenizer else None
     elif path.is_dir():
         from tokenfab.loader.safetensors_dir import iter_safetensors, load_hf_config
@@ -108,13 +117,23 @@ def load_model(
             raise ModelLoadError(path / "config.json", "config.json names no `architectures`")
         from tokenfab.loader.formats import check_quantization_config
 
-        check_quantization_config(path / "config.json", archs[0])
+        ckpt_method = check_quantization_config(path / "config.json", archs[0])
+        if ckpt_method is not None and quant_method is not None:
+            raise ValueError(f"--quantization {quantization}: {path} is already quantized "
+                             f"({ckpt_method.describe()}); drop the flag")
+        quant_method = quant_method or ckpt_method
         arch, weights = archs[0], iter_safetensors(path)
         tokenizer = _hf_tokenizer(path) if load_tokenizer else None
     else:
         raise ModelLoadError(path, "expected a model directory or a .gguf file")
     max_len = min(max_model_len or config_max_len(config), config_max_len(config))
     model = _build(arch, config, dtype, device, max_len, path)
+    if quant_method is not None:
+        from tokenfab.quant.apply import apply_quant_method
+
+        with torch.device(device):
+            apply_quant_method(model, quant_method)
+        model.quant_method = quant_method
     if path.suffix == ".gguf" and gguf_act is not None:
         from tokenfab.loader.gguf_packed import load_gguf_packed
 

@@ -11,6 +11,7 @@ from torch import nn
 from tokenfab.layers.linear import MergedLinear
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.formats import is_plain_float, may_be_taken_packed, unsupported_tensor_problem
+from tokenfab.quant.base import QuantizedModule
 
 # Checkpoint entries that carry no weights we need: the rotary frequencies some Llama exports
 # save (we compute them from the config). Models skip their own known extras themselves
@@ -40,6 +41,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     entries themselves with ``load_checkpoint_tensor(name, tensor) -> list[str] | None`` (None:
     not taken; else the parameters that are now complete; ValueError: a bad tensor).
 
+    Quantized layers (``model.quant_method`` set, layers swapped by tokenfab.quant.apply) take their
+    tensors through ``load_quantized(suffix, tensor, shard)`` and list what they still lack in
+    ``missing()``; with a quant method, non-float tensors are offered to the model's hook (quantized experts).
+
     Nothing is dropped silently: a tensor in a dtype no parameter takes as is (float8, packed
     integers: a quantized format we do not load yet) is an error naming the format, and a
     tensor that nothing consumed is an error naming it (``_IGNORED_SUFFIXES`` and the entries a
@@ -55,6 +60,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     remap = getattr(model, "remap_checkpoint_name", None)
     take = getattr(model, "load_checkpoint_tensor", None)
     loaded: set[str] = set()
+    quantized = getattr(model, "quant_method", None)
     unused: dict[str, str | Path] = {}  # checkpoint name -> its file
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
@@ -64,7 +70,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             if ckpt_name is None:
                 continue
         plain = is_plain_float(tensor)
-        if not plain and not may_be_taken_packed(ckpt_name, tensor):
+        if quantized is not None:  # a quantized layer (tokenfab/quant) takes its checkpoint tensors itself
+            qname, qshard = _target(model, ckpt_name)
+            qmod_name, _, suffix = qname.rpartition(".")
+            qmod = modules.get(qmod_name)
+            if qmod is not None and hasattr(qmod, "load_quantized"):
+                try:
+                    took = qmod.load_quantized(suffix, tensor, qshard)
+                except ValueError as e:
+                    raise ModelLoadError(where(), f"tensor {ckpt_name}: {e}") from e
+                if took:
+                    continue
+        if not plain and quantized is None and not may_be_taken_packed(ckpt_name, tensor):
             all_names = getattr(weights, "all_names", None)
             siblings = all_names() if callable(all_names) else ()
             raise ModelLoadError(where(), unsupported_tensor_problem(ckpt_name, tensor, siblings))
@@ -104,6 +121,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             missing += [f"{name} (shard {i})" for i in range(len(mod.shard_sizes)) if f"{name}#{i}" not in loaded]
         elif name not in loaded:
             missing.append(name)
+    for mod_name, mod in modules.items():  # quantized layers and experts report their own missing tensors
+        if isinstance(mod, QuantizedModule):
+            missing += [f"{mod_name}.{m}" for m in mod.missing()]
     if unused:
         files = sorted({str(f) for f in unused.values()})
         also = f"; and {len(missing)} parameters are missing: {_shown(missing)}" if missing else ""

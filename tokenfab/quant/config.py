@@ -1,0 +1,123 @@
+"""Choosing a checkpoint's low-precision format from its config, never from the model family.
+
+``quantization_config.quant_method`` (config.json, or a multimodal config's ``text_config``) names
+the method; ModelOpt checkpoints may instead ship ``hf_quant_config.json``. compressed-tensors
+holds several formats under one method, told apart by its ``config_groups`` weights:
+
+    registry key                          format                                       module
+    "fp8"                                 block FP8 (weight_scale_inv 128x128)         quant/fp8_block.py
+    "compressed-tensors/float-quantized"  FP8 weights, per-channel/tensor scales       quant/fp8_channel.py
+    "compressed-tensors/pack-quantized"   INT4 W4A16 (weight_packed, group 32)         (task G)
+    "mxfp4"                               GPT-OSS MXFP4 experts                        (task G)
+    "modelopt"                            NVFP4 (hf_quant_config.json)                 (task G)
+
+Format modules register a factory (``quantization_config`` dict -> QuantMethod) with
+:func:`register_quant_method`; :data:`_PROVIDERS` lists the modules imported to fill the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tokenfab.loader.errors import ModelLoadError
+from tokenfab.quant.base import QuantMethod
+
+QUANT_METHODS: dict[str, Callable[[dict], QuantMethod]] = {}
+
+# modules whose import registers format factories (a module not written yet is skipped)
+_PROVIDERS = (
+    "tokenfab.quant.fp8_block",
+    "tokenfab.quant.fp8_channel",
+    "tokenfab.quant.int4_ct",
+    "tokenfab.quant.mxfp4",
+    "tokenfab.quant.nvfp4",
+)
+
+
+class UnsupportedQuantization(ValueError):
+    """A factory's refusal of a variant of its method (the message says what is supported)."""
+
+
+def register_quant_method(key: str, factory: Callable[[dict], QuantMethod]) -> None:
+    QUANT_METHODS[key] = factory
+
+
+_loaded = False
+
+
+def _load_providers() -> None:
+    global _loaded
+    if _loaded:
+        return
+    for mod in _PROVIDERS:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    _loaded = True
+
+
+def registry_key(qc: dict[str, Any]) -> str:
+    """The registry key of a ``quantization_config``."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "compressed-tensors":
+        return method
+    for group in (qc.get("config_groups") or {}).values():
+        w = (group or {}).get("weights") or {}
+        if w.get("type") == "float":
+            return "compressed-tensors/float-quantized"
+        if w.get("type") == "int":
+            return "compressed-tensors/pack-quantized"
+    return f"compressed-tensors/{qc.get('format', 'unknown')}"
+
+
+def _modelopt_config(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(path, f"cannot read hf_quant_config.json: {e}") from e
+    quant = raw.get("quantization") if isinstance(raw, dict) else None
+    if not isinstance(quant, dict):
+        raise ModelLoadError(path, "hf_quant_config.json has no `quantization` object")
+    return {"quant_method": "modelopt", **quant}
+
+
+def supported_formats() -> list[str]:
+    _load_providers()
+    return sorted(QUANT_METHODS)
+
+
+def resolve_quant_method(model_dir: Path, raw_config: dict) -> QuantMethod | None:
+    """The QuantMethod of a checkpoint directory, or None for an unquantized one.
+
+    An unknown method, or a variant its factory refuses, is a ModelLoadError naming config.json
+    (or hf_quant_config.json) and the format, and listing what is supported."""
+    from tokenfab.loader.formats import describe_quantization, quantization_config
+
+    model_dir = Path(model_dir)
+    qc = quantization_config(raw_config) if isinstance(raw_config, dict) else None
+    source = model_dir / "config.json"
+    if qc is None:
+        qc = _modelopt_config(model_dir)
+        source = model_dir / "hf_quant_config.json"
+        if qc is None:
+            return None
+    _load_providers()
+    key = registry_key(qc)
+    factory = QUANT_METHODS.get(key)
+    if factory is None:
+        raise ModelLoadError(source, f"unsupported quantized checkpoint: quantization_config is "
+                             f"{describe_quantization(qc)}, which tokenfab cannot load (it loads float32/float16/"
+                             f"bfloat16 weights and these formats: {', '.join(supported_formats()) or 'none'})")
+    try:
+        return factory(qc)
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(source, f"unsupported quantized checkpoint: {describe_quantization(qc)}: {e}") from e

@@ -1,0 +1,109 @@
+"""FP8 experts for FusedMoE (the ``quant_experts`` hook of layers/moe.py).
+
+The experts' float8 weights stay stacked as in the plain layer (``w13`` [E, 2I, H]: each expert's
+gate rows then its up rows; ``w2`` [E, H, I]) with their scale grids: block FP8 (128x128 blocks per
+expert projection; when I is not a multiple of 128 the gate/up grids are kept per row, as in
+FP8Linear) or per channel. The product dequantizes the layer's experts for the call only and runs
+the plain fused-experts path (Triton's bf16 grouped GEMM on GPU, the reference on CPU); the weights
+stay float8 in memory. A fused FP8 MoE kernel (W8A8 inside the grouped GEMM) is not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenfab.kernels.moe import fused_experts
+from tokenfab.kernels.quant import FP8
+from tokenfab.quant.base import QuantizedModule, check_shape
+
+BLOCK = 128
+_KINDS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", 0)}
+_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _dequantize_stack(w: torch.Tensor, s: torch.Tensor, group_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """float8 [E, R, K] times scales [E, ceil(R / group_rows), ceil(K / 128) or 1]."""
+    _, r, k = w.shape
+    full = s.repeat_interleave(group_rows, 1)[:, :r]
+    full = full.expand(-1, -1, k) if s.shape[2] == 1 else full.repeat_interleave(BLOCK, 2)[:, :, :k]
+    return (w.float() * full).to(dtype)
+
+
+class FP8Experts(QuantizedModule):
+    def __init__(self, moe: nn.Module, scheme: str = "block", ue8m0: bool = False) -> None:
+        super().__init__()
+        e, i, h = moe.num_experts, moe.intermediate_size, moe.hidden_size
+        self.num_experts, self.intermediate_size, self.hidden_size = e, i, h
+        self.scheme, self.ue8m0 = scheme, ue8m0
+        self.dtype = moe.w13_weight.dtype
+        self.activation, self.swiglu_alpha, self.swiglu_limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
+        if moe.w13_bias is not None:
+            raise ValueError("FP8 experts with biases are not supported")
+        self.register_buffer("w13", torch.empty(e, 2 * i, h, dtype=FP8))
+        self.register_buffer("w2", torch.empty(e, h, i, dtype=FP8))
+        if scheme == "block":
+            self.group_13 = BLOCK if i % BLOCK == 0 else 1  # gate/up grids stack only on block rows
+            rows13 = 2 * i // BLOCK if self.group_13 == BLOCK else 2 * i
+            self.register_buffer("w13_scale", torch.empty(e, rows13, _cdiv(h, BLOCK), dtype=torch.float32))
+            self.register_buffer("w2_scale", torch.empty(e, _cdiv(h, BLOCK), _cdiv(i, BLOCK), dtype=torch.float32))
+            self.group_2 = BLOCK
+            scale_suffix = "weight_scale_inv"
+        else:
+            self.group_13 = self.group_2 = 1
+            self.register_buffer("w13_scale", torch.empty(e, 2 * i, 1, dtype=torch.float32))
+            self.register_buffer("w2_scale", torch.empty(e, h, 1, dtype=torch.float32))
+            scale_suffix = "weight_scale"
+        self.scale_suffix = scale_suffix
+        self.expect([f"experts.{x}.{_PROJ[k]}.{s}" for x in range(e) for k in _KINDS for s in ("weight", scale_suffix)],
+                    [None])
+
+    def load_expert(self, kind: str, suffix: str, tensor: torch.Tensor, expert: int | None) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"FP8 experts take per-expert gate/up/down tensors, not {kind!r}")
+        if expert is None or not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index {expert} out of range 0..{self.num_experts - 1}")
+        which, half = _KINDS[kind]
+        i, h = self.intermediate_size, self.hidden_size
+        rows, k = (i, h) if which == "w13" else (h, i)
+        lo = half * i
+        if suffix == "weight":
+            check_shape(f"expert {kind} weight", tensor, (rows, k))
+            if tensor.dtype != FP8:
+                raise ValueError(f"expert {kind} weight is {tensor.dtype}, the quantization_config says float8_e4m3fn")
+            getattr(self, which)[expert, lo:lo + rows].copy_(tensor)
+        elif suffix == self.scale_suffix:
+            scale = getattr(self, f"{which}_scale")[expert]
+            t = tensor.float()
+            if self.scheme == "block":
+                check_shape(f"expert {kind} {suffix}", t, (_cdiv(rows, BLOCK), _cdiv(k, BLOCK)))
+                if which == "w2" or self.group_13 == BLOCK:
+                    scale[lo // BLOCK: lo // BLOCK + t.shape[0]].copy_(t)
+                else:
+                    scale[lo:lo + rows].copy_(t.repeat_interleave(BLOCK, 0)[:rows])
+            else:
+                if t.numel() == 1:
+                    t = t.reshape(1, 1).expand(rows, 1)
+                elif t.numel() != rows:
+                    raise ValueError(f"expert {kind} weight_scale has shape {tuple(t.shape)}, expected ({rows}, 1)")
+                scale[lo:lo + rows].copy_(t.reshape(rows, 1))
+        else:
+            raise ValueError(f"FP8 experts do not take {suffix} tensors")
+        self.mark(f"experts.{expert}.{_PROJ[kind]}.{suffix}", None)
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's expert weights in ``dtype`` (for this call only)."""
+        return (_dequantize_stack(self.w13, self.w13_scale, self.group_13, dtype),
+                _dequantize_stack(self.w2, self.w2_scale, self.group_2, dtype))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.dequantized(x.dtype)
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, None, None, self.activation,
+                             self.swiglu_alpha, self.swiglu_limit)
+
+    def num_weight_params(self) -> int:
+        return self.w13.numel() + self.w2.numel()
