@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over an ``AsyncEngine`` (FastAPI): app assembly.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize,
-/detokenize. Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``;
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (``responses_api.py``), /v1/models, /health,
+/metrics, /tokenize, /detokenize. Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``;
 bad input is a 400 (FastAPI's 422 for validation errors and malformed JSON included), a body over
 ``--max-request-bytes`` a 413, a full queue a 429, a dead engine a 503. The OpenAPI document
 (``/openapi.json``) lists every status a route answers, with its body schema.
@@ -39,6 +39,8 @@ from tokenfab.server.responses import (
     error_responses,
     sse_or_json,
 )
+from tokenfab.server.responses_api import add_routes as add_responses_routes
+from tokenfab.server.responses_store import ResponseStore
 from tokenfab.server.serving import OpenAIServer, ServerConfig
 
 __all__ = ["APIError", "OpenAIServer", "ServerConfig", "build_app", "error_body", "error_response"]
@@ -74,6 +76,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
               responses={**sse_or_json(ChatCompletionResponse, "The chat completion"), **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
+
+    add_responses_routes(app, server, ResponseStore(config.responses_store_size, config.responses_ttl), auth)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(*auth))
     async def models() -> dict[str, Any]:
@@ -135,7 +139,8 @@ def _document_truthfully(app: FastAPI, model_name: str, priority: bool, chat_tem
             schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
-            for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+            for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
+                         "ResponsesRequest"):
                 props = schemas.get(name, {}).get("properties", {})
                 if "model" in props:
                     props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],

@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    choices=["deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2", "gpt_oss"],
                    help="split reasoning_content off the output (default: by model type)")
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id and GET, least recently used "
+                   "dropped first (default 1024; 0: keep none)")
+    g.add_argument("--responses-ttl", type=float, default=3600.0,
+                   help="seconds a stored /v1/responses response is kept (default 3600)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish (default 30)")
     g.add_argument("--engine-in-process", action="store_true",
@@ -54,7 +59,8 @@ def banner(url: str, model: str, kv_tokens: int | None, max_model_len: int, api_
         "",
         f"tokenfab is serving {model} at {url}/v1",
         f"  KV cache: {kv}   max model length: {max_model_len:,} tokens",
-        "  endpoints: /v1/completions /v1/chat/completions /v1/models /health /metrics /tokenize /detokenize",
+        "  endpoints: /v1/completions /v1/chat/completions /v1/responses /v1/models /health /metrics /tokenize "
+        "/detokenize",
         "  try:",
         f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}",
         "",
@@ -69,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tokenfab serve: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if args.responses_store_size < 0 or not args.responses_ttl > 0:
+        print("tokenfab serve: --responses-store-size must be >= 0 and --responses-ttl > 0", file=sys.stderr)
+        return 2
     if args.api_server_count > 1:
         if args.engine_in_process:
             print("tokenfab serve: --api-server-count > 1 needs the engine in its own process "
@@ -154,7 +163,9 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           max_prompts_per_request=args.max_prompts_per_request,
                           trust_request_chat_template=args.trust_request_chat_template,
                           tool_call_parser=getattr(args, "tool_call_parser", None),
-                          reasoning_parser=getattr(args, "reasoning_parser", None))
+                          reasoning_parser=getattr(args, "reasoning_parser", None),
+                          responses_store_size=getattr(args, "responses_store_size", 1024),
+                          responses_ttl=getattr(args, "responses_ttl", 3600.0))
     app = build_app(async_engine, config)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

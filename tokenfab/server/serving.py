@@ -43,6 +43,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None  # None: by model type (server/chat.py parser_names)
     reasoning_parser: str | None = None
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (responses_store.py)
+    responses_ttl: float = 3600.0
 
 
 class OpenAIServer:
