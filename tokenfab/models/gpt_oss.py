@@ -15,8 +15,10 @@ Checkpoint layout (transformers): ``mlp.router.{weight,bias}``; ``mlp.experts.ga
 [E, H]; ``self_attn.sinks`` [heads]. OpenAI's released checkpoints hold the expert matrices in
 MXFP4 instead: ``{gate_up,down}_proj_blocks`` [E, rows, cols / 32, 16] uint8 (two E2M1 values
 a byte, low nibble first) with ``_scales`` [E, rows, cols / 32] uint8 (E8M0: 2^(s - 127) per
-32 values), rows x cols being the [out, in] matrix; they are dequantized to the model dtype at
-load (a quantization issue will keep them packed).
+32 values), rows x cols being the [out, in] matrix. With ``quantization_config.quant_method``
+"mxfp4" (OpenAI's releases) they stay packed: ``tokenfab.quant.mxfp4`` gives each FusedMoE MXFP4
+experts that take the blocks, scales and biases as stored and run the W4A16 MoE kernel. Blocks
+in a checkpoint without that config are dequantized to the model dtype at load.
 
 KV cache memory with sliding windows: every layer, sliding or not, keeps every block of a
 sequence until the sequence finishes; the block manager (not this file) frees nothing that
@@ -110,6 +112,13 @@ class GptOssForCausalLM(MoECausalLM):
         if m is None:
             return None
         mod, proj, suffix = m["mod"], m["proj"], m["suffix"] or ""
+        try:
+            moe = self.get_submodule(mod)
+        except AttributeError:
+            return None
+        if getattr(moe, "quant_experts", None) is not None:  # packed MXFP4 experts take the tensors as stored
+            kind = "w13" if proj == "gate_up_proj" else "w2"
+            return load_moe_tensor(self, mod, kind, tensor, suffix=suffix.removeprefix("_") or "weight")
         if suffix == "_bias":
             b = deinterleave_gate_up(tensor.unsqueeze(-1)).squeeze(-1) if proj == "gate_up_proj" else tensor
             return load_moe_tensor(self, mod, "w13_bias" if proj == "gate_up_proj" else "w2_bias", b)
@@ -119,7 +128,6 @@ class GptOssForCausalLM(MoECausalLM):
             if len(pending) < 2:
                 return []
             del self._mxfp4_pending[(mod, proj)]
-            moe = self.get_submodule(mod)
             w = dequantize_mxfp4(pending["_blocks"], pending["_scales"], moe.w13_weight.dtype,
                                  moe.w13_weight.device)  # [E, out, in]
         else:
