@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from tokenfab.distributed.hardware import PlanInputError
 from tokenfab.distributed.model_spec import build_spec, load_config
 
 transformers = pytest.importorskip("transformers")
@@ -37,7 +36,8 @@ CONFIGS = {
     "deepseek_v3_no_qlora": lambda: transformers.DeepseekV3Config(**COMMON, **{**MLA, "q_lora_rank": None},
                                                                   first_k_dense_replace=2),
     "deepseek_v32": lambda: transformers.DeepseekV32Config(**COMMON, **MLA, **DSA, first_k_dense_replace=1),
-    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**COMMON, **MLA, **DSA, indexer_types=["full", "shared", "full"],
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**COMMON, **MLA, **DSA,
+                                                        indexer_types=["full", "shared", "full"],
                                                         mlp_layer_types=["dense", "sparse", "sparse"]),
 }
 
