@@ -206,6 +206,34 @@ def test_bad_input_is_a_400(client: openai.OpenAI, served: Any) -> None:
     bad(None, tools=[{"type": "web_search"}])
 
 
+def test_text_format_json_schema(client: openai.OpenAI, served: Any) -> None:
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "blue", "yellow"]}},
+              "required": ["color"], "additionalProperties": False}
+    r = client.responses.create(model=served.model, input=QUESTION, max_output_tokens=40, temperature=0.0,
+                                text={"format": {"type": "json_schema", "name": "color", "schema": schema,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=served.model, input=QUESTION, max_output_tokens=4,
+                                text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}})
+    assert e.value.body["param"] == "text.format"
+
+
+def test_cli_flags_are_checked() -> None:
+    import argparse
+
+    from tokenfab.server.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--responses-store-size", "7", "--responses-ttl", "60"])
+    assert (args.responses_store_size, args.responses_ttl) == (7, 60.0)
+    assert run(parser.parse_args(["--responses-store-size", "-1"])) == 2  # refused before any model loads
+    assert run(parser.parse_args(["--responses-ttl", "0"])) == 2
+
+
 # ---- fake engine: fast, in process ----
 def test_malformed_bodies_over_http() -> None:
     with fake_server() as (c, _):
