@@ -1,0 +1,116 @@
+"""A linear layer with 4-bit packed weights (W4A16): compressed-tensors INT4 or ModelOpt NVFP4.
+
+The weight stays as the checkpoint stores it: ``qweight`` uint8 [N, ceil(K/2)] (two codes a
+byte, low nibble first: compressed-tensors' int32 words are exactly these bytes, little-endian),
+``scales`` [N, ceil(K/G)] (INT4: the checkpoint's float scales in the model dtype, G = 32;
+NVFP4: E4M3 bits as uint8, G = 16) and, for NVFP4, ``global_scale`` float32 [N] (each merged
+shard's ``weight_scale_2`` on its rows). ``forward`` is ``kernels.w4a16``'s GEMM: the weights are
+dequantized in registers on GPU, one layer per call on CPU, never stored in full precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tokenfab.kernels.w4a16 import GROUP_SIZE, dequantize_w4, w4a16_linear
+from tokenfab.quant.base import QuantizedModule, check_shape
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class W4Linear(QuantizedModule):
+    """``y = x @ dequant(qweight, scales).T * global_scale + bias``; see the module docstring."""
+
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 codec: str) -> None:
+        super().__init__()
+        if codec not in ("int4", "nvfp4"):
+            raise ValueError(f"W4Linear codec must be int4 or nvfp4, not {codec!r}")
+        self.in_features, self.shard_sizes = in_features, list(shard_sizes)
+        self.out_features = sum(self.shard_sizes)
+        self.codec, self.dtype = codec, dtype
+        self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+        n, k, g = self.out_features, in_features, GROUP_SIZE[codec]
+        self.register_buffer("qweight", torch.zeros(n, _cdiv(k, 2), dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(n, _cdiv(k, g), dtype=dtype if codec == "int4" else torch.uint8))
+        self.register_buffer("global_scale", torch.ones(n, dtype=torch.float32) if codec == "nvfp4" else None)
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype) if bias else None)
+        shards: list[int | None] = list(range(len(self.shard_sizes))) if len(self.shard_sizes) > 1 else [None]
+        wanted = ["weight_packed", "weight_scale"] if codec == "int4" else ["weight", "weight_scale", "weight_scale_2"]
+        self.expect(wanted + (["bias"] if bias else []), shards)
+
+    def _rows(self, shard: int | None) -> tuple[int, int]:
+        if shard is None:
+            if len(self.shard_sizes) > 1:
+                raise ValueError("a merged projection's tensor arrived without its shard index")
+            return 0, self.out_features
+        if not 0 <= shard < len(self.shard_sizes):
+            raise ValueError(f"shard {shard} out of range 0..{len(self.shard_sizes) - 1}")
+        return self.offsets[shard], self.offsets[shard] + self.shard_sizes[shard]
+
+    def load_quantized(self, suffix: str, tensor: torch.Tensor, shard: int | None) -> bool:
+        lo, hi = self._rows(shard)
+        rows, k = hi - lo, self.in_features
+        if self.codec == "int4" and suffix == "weight_packed":
+            if tensor.dtype != torch.int32:
+                raise ValueError(f"weight_packed must be int32, got {tensor.dtype}")
+            check_shape("weight_packed", tensor, (rows, _cdiv(k, 8)))
+            self.qweight[lo:hi].copy_(tensor.contiguous().view(torch.uint8)[:, : _cdiv(k, 2)])
+        elif self.codec == "int4" and suffix == "weight_scale":
+            check_shape("weight_scale", tensor, (rows, _cdiv(k, 32)))
+            self.scales[lo:hi].copy_(tensor)
+        elif self.codec == "int4" and suffix == "weight_shape":
+            if [int(v) for v in tensor.reshape(-1)] != [rows, k]:
+                raise ValueError(f"weight_shape is {tensor.tolist()}, the layer is [{rows}, {k}]")
+        elif self.codec == "nvfp4" and suffix == "weight":
+            if tensor.dtype != torch.uint8:
+                raise ValueError(f"is stored as {str(tensor.dtype).removeprefix('torch.')}, but NVFP4 weights are "
+                                 "uint8 (two E2M1 codes a byte)")
+            check_shape("weight", tensor, (rows, _cdiv(k, 2)))
+            self.qweight[lo:hi].copy_(tensor)
+        elif self.codec == "nvfp4" and suffix == "weight_scale":
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"NVFP4 weight_scale must be float8_e4m3fn, got {tensor.dtype}")
+            check_shape("weight_scale", tensor, (rows, _cdiv(k, 16)))
+            self.scales[lo:hi].copy_(tensor.view(torch.uint8))
+        elif self.codec == "nvfp4" and suffix == "weight_scale_2":
+            if tensor.numel() != 1:
+                raise ValueError(f"weight_scale_2 must be one value, got shape {tuple(tensor.shape)}")
+            self.global_scale[lo:hi] = tensor.float().reshape(())
+        elif self.codec == "nvfp4" and suffix == "input_scale":
+            pass  # the activation scale of FP4 activations: W4A16 keeps activations in 16 bits
+        elif suffix == "bias" and self.bias is not None:
+            check_shape("bias", tensor, (rows,))
+            self.bias[lo:hi].copy_(tensor)
+        else:
+            return False
+        self.mark(suffix, shard)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a16_linear(x, self.qweight, self.scales, self.global_scale, self.bias, self.codec, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, computed on each access (for layers that read ``.weight``); never stored."""
+        w = dequantize_w4(self.qweight, self.scales, self.codec, self.in_features)
+        if self.global_scale is not None:
+            w = w * self.global_scale[:, None]
+        return w.to(self.dtype)
+
+    def num_weight_params(self) -> int:
+        return self.out_features * self.in_features
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.shard_sizes}, codec={self.codec}"
+
+
+def w4_linear_like(linear: nn.Module, codec: str) -> W4Linear:
+    """A W4Linear with ``linear``'s shape (a Linear or a MergedLinear) and dtype."""
+    shards = getattr(linear, "shard_sizes", None) or [linear.out_features]
+    return W4Linear(linear.in_features, shards, linear.bias is not None, linear.weight.dtype, codec)
