@@ -45,6 +45,10 @@ def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max
 
 
 def _hf_tokenizer(model_dir: Path) -> Any | None:
+    from tokenfab.loader.tiktoken_tokenizer import is_tiktoken_dir, load_tiktoken_tokenizer
+
+    if is_tiktoken_dir(model_dir):  # Kimi K2/K2.5: tiktoken.model, loaded without remote code
+        return load_tiktoken_tokenizer(model_dir)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer
