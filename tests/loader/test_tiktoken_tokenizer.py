@@ -14,8 +14,6 @@ import pytest
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.tiktoken_tokenizer import NUM_RESERVED_SPECIAL_TOKENS, load_tiktoken_tokenizer
 
-tiktoken = pytest.importorskip("tiktoken")
-
 # tokenization_kimi.py's pat_str, as written there (the reference the restated pattern must match)
 KIMI_PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -104,6 +102,7 @@ def kimi_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(kimi_dir):
+    tiktoken = pytest.importorskip("tiktoken")  # the reference (a dev dependency), not needed by the loader
     text = (kimi_dir / "tiktoken.model").read_text().split()
     ranks = {base64.b64decode(text[i]): int(text[i + 1]) for i in range(0, len(text), 2)}
     base = len(ranks)
@@ -118,13 +117,13 @@ def test_encode_equals_tiktoken(kimi_dir, reference):
         assert tok.encode(text, add_special_tokens=False) == reference.encode(text, allowed_special="all"), text
 
 
-def test_round_trip_and_special_tokens(kimi_dir, reference):
+def test_round_trip_and_special_tokens(kimi_dir):
     tok = load_tiktoken_tokenizer(kimi_dir)
-    base = reference.n_vocab - NUM_RESERVED_SPECIAL_TOKENS
-    assert len(tok) == reference.n_vocab
+    base = len((kimi_dir / "tiktoken.model").read_text().splitlines())
+    assert len(tok) == base + NUM_RESERVED_SPECIAL_TOKENS
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
-        assert tok.decode(ids) == text == reference.decode(ids)
+        assert tok.decode(ids) == text
     assert tok.convert_tokens_to_ids("<|im_end|>") == base + 2
     assert tok.convert_tokens_to_ids(f"<|reserved_token_{base + 5}|>") == base + 5
     assert tok.eos_token == "[EOS]" and tok.eos_token_id == base + 1 and tok.bos_token_id == base
