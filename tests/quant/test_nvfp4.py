@@ -1,0 +1,90 @@
+"""ModelOpt NVFP4 (tokenfab/quant/nvfp4.py) on a tiny Llama written in the official layout
+(tests/quant/layouts_w4.py): declared by hf_quant_config.json or by quantization_config
+(quant_method "modelopt"); weights stay uint8 + E4M3; logits equal the dequantized float twin's and
+greedy tokens equal transformers' on the twin. (transformers cannot load a pre-quantized NVFP4
+checkpoint: its NVFP4 quantizer refuses pre-quantized weights and needs a Blackwell GPU, so the
+twin is the reference.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.quant.layouts_w4 import write_nvfp4_checkpoint, write_twin
+from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
+from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.quant.w4_linear import W4Linear
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], list(range(30, 60))]
+STEPS = 5
+
+
+def _engine(path) -> LLMEngine:
+    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module", params=["hf_quant_config", "quantization_config"])
+def ckpt(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("nvfp4")
+    save_tiny_model(tiny_config("llama"), root / "plain")
+    twin = write_nvfp4_checkpoint(root / "plain", root / "nvfp4", via_config=request.param == "quantization_config")
+    write_twin(root / "plain", root / "twin", twin)
+    return root
+
+
+def test_weights_stay_packed(ckpt):
+    model = _engine(ckpt / "nvfp4").runner.model
+    layers = [m for m in model.modules() if isinstance(m, W4Linear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down; lm_head excluded
+    assert not isinstance(model.lm_head, W4Linear)
+    for m in layers:
+        assert m.qweight.dtype == torch.uint8 and m.scales.dtype == torch.uint8 and m.codec == "nvfp4"
+        n, k = m.out_features, m.in_features
+        held = sum(b.numel() * b.element_size() for b in (m.qweight, m.scales, m.global_scale))
+        assert held == n * (k // 2 + k // 16 + 4)  # nibbles, one E4M3 per 16, one fp32 global per row
+
+
+def test_logits_match_twin_and_greedy_matches_transformers(ckpt):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt / "twin", dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        tokens, logits = run_capturing_logits(_engine(ckpt / "nvfp4"), list(prompt), STEPS)
+        _, twin_logits = run_capturing_logits(_engine(ckpt / "twin"), list(prompt), STEPS)
+        for a, b in zip(logits, twin_logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # fp32: only summation order differs
+        ids = list(prompt)
+        for _ in range(STEPS):
+            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+        assert tokens == ids[len(prompt):]
+
+
+def test_through_triton_kernels(ckpt, monkeypatch):
+    from tokenfab.kernels._launch import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("triton was imported without the interpreter")
+    _, ref = run_capturing_logits(_engine(ckpt / "twin"), list(PROMPTS[0]), 2)
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    _, got = run_capturing_logits(_engine(ckpt / "nvfp4"), list(PROMPTS[0]), 2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(quant_algo="FP8"), "quant_algo"),
+    (dict(group_size=32), "group_size"),
+])
+def test_unsupported_variants_are_refused(tmp_path, change, match):
+    from tokenfab.loader.errors import ModelLoadError
+
+    save_tiny_model(tiny_config("llama"), tmp_path / "plain")
+    write_nvfp4_checkpoint(tmp_path / "plain", tmp_path / "q")
+    path = tmp_path / "q" / "hf_quant_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization"].update(change)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        _engine(tmp_path / "q")
