@@ -10,21 +10,62 @@ re-pack it on every call:
   1.7x faster at 64 rows, 2.7x at one row.
 The packed copy costs as much memory again as the weights, so the engine only packs models that
 fit easily.
+
+Batch-invariant mode (``set_batch_invariant``, ``TOKENFAB_BATCH_INVARIANT=1``): MKL's sgemm rounds
+a row differently depending on how many rows are multiplied with it (a few rows take another
+kernel), so a speculative verify row would not equal the decode row of the same token. In this
+mode every CPU float32 linear goes through ``kernels.cpu.matmul_f32`` (row r's result never depends
+on the other rows); speculative decoding turns it on. The packed GGUF layers (``ggml_linear``) are
+row-invariant always.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels.cpu import matmul_f32
+
 # above this many rows (prefill chunks) the unpacked float32 product is as fast or faster
 PACKED_MAX_ROWS = 1024
+
+_batch_invariant = os.environ.get("TOKENFAB_BATCH_INVARIANT", "0").lower() in ("1", "true", "yes")
+
+
+def batch_invariant() -> bool:
+    """Whether CPU float32 linears run the row-invariant kernel (see the module docstring)."""
+    return _batch_invariant
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """Turn batch-invariant float32 linears on or off (process-wide); returns the previous setting."""
+    global _batch_invariant
+    old, _batch_invariant = _batch_invariant, bool(on)
+    return old
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    """``set_batch_invariant(on)`` for the duration of a ``with`` block (tests, benchmarks)."""
+    old = set_batch_invariant(on)
+    try:
+        yield
+    finally:
+        set_batch_invariant(old)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through a packed GEMM when a packed copy of ``weight`` exists."""
+    """F.linear, through a packed GEMM when a packed copy of ``weight`` exists, or through the
+    row-invariant kernel in batch-invariant mode."""
+    if (_batch_invariant and x.dtype == torch.float32 and x.device.type == "cpu" and matmul_f32.supports(x, weight)
+            and not torch.compiler.is_compiling()):
+        return matmul_f32.matmul_f32_rowinv(x, weight, bias)
     shape = x.shape
     if packed is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)

@@ -116,12 +116,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "store_kv": [p, i64, i64, p, i64, i64, p, p, p, i64, i64, i64, i64, i32],
         "ggml_matmul_f32": [p, p, i64, i64, i64, i32, p],
         "ggml_matmul_q8": [p, p, i64, i64, i64, i32, p],
+        "matmul_f32_rowinv": [p, p, i64, i64, i64, p],
         "ggml_dequant_rows": [p, i64, i32, p, i64, p],
         "ggml_isa": [],
         "ggml_amx_probe": [],
     }
     returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
-                      "ggml_matmul_f32", "ggml_matmul_q8", "ggml_isa", "ggml_amx_probe"}
+                      "ggml_matmul_f32", "ggml_matmul_q8", "matmul_f32_rowinv", "ggml_isa", "ggml_amx_probe"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM

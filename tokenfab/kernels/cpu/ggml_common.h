@@ -67,8 +67,10 @@
 #define GG_VNNI 0
 #endif
 
-enum { GQ8_0 = 0, GQ4_0 = 1, GQ4_1 = 2 };
-static const int64_t BLOCK_BYTES[3] = {34, 18, 20};
+/* GF32: plain float32 weights through the same row-invariant tiles (matmul_f32_rowinv); its rows
+ * are K floats, K any size (the last K % 32 columns are one zero-padded block) */
+enum { GQ8_0 = 0, GQ4_0 = 1, GQ4_1 = 2, GF32 = 3 };
+static const int64_t BLOCK_BYTES[4] = {34, 18, 20, 128};
 
 #define AI static inline __attribute__((always_inline))
 #define NC 16 /* weight rows a thread takes at a time: they stay in L1 while every row tile passes */

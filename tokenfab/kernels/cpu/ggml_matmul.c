@@ -10,9 +10,11 @@
 #endif
 
 /* ---------- the vector layer of the f32 kernels ---------- */
+/* (NV: vectors per 32-weight block) */
 
 #if GG_AVX512
 #define VW 16
+#define NV (32 / VW)
 typedef __m512 vf;
 AI vf v_zero(void) { return _mm512_setzero_ps(); }
 AI vf v_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -23,6 +25,10 @@ AI vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 AI float v_sum(vf v) { return _mm512_reduce_add_ps(v); }
 /* one block -> 32 floats in w[0..1] */
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
+    if (qt == GF32) { /* float32 weights: 32 of them, as they are */
+        for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
+        return;
+    }
     const vf d = _mm512_set1_ps(half_to_float(b)); /* unused (and dropped) for Q4_1 */
     if (qt == GQ8_0) {
         w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
@@ -48,6 +54,7 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
 }
 #elif GG_AVX2
 #define VW 8
+#define NV (32 / VW)
 typedef __m256 vf;
 AI vf v_zero(void) { return _mm256_setzero_ps(); }
 AI vf v_load(const float *p) { return _mm256_loadu_ps(p); }
@@ -65,6 +72,10 @@ AI vf cvt8(__m128i bytes8, int sgn) { /* the low 8 bytes, widened to floats */
     return _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
+    if (qt == GF32) { /* float32 weights: 32 of them, as they are */
+        for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
+        return;
+    }
     const vf d = _mm256_set1_ps(half_to_float(b));
     if (qt == GQ8_0) {
         for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, cvt8(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)), 1));
@@ -78,6 +89,7 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
 }
 #else
 #define VW 1
+#define NV (32 / VW)
 typedef float vf;
 AI vf v_zero(void) { return 0.0f; }
 AI vf v_load(const float *p) { return *p; }
@@ -87,6 +99,10 @@ AI vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 AI vf v_add(vf a, vf b) { return a + b; }
 AI float v_sum(vf v) { return v; }
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
+    if (qt == GF32) { /* float32 weights: 32 of them, as they are */
+        for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
+        return;
+    }
     const float d = half_to_float(b);
     if (qt == GQ8_0) {
         for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[2 + j];
@@ -101,9 +117,21 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
     }
 }
 #endif
-#define NV (32 / VW) /* vectors per block */
 
 /* ---------- f32 activations, few rows: stream each weight row once per tile ---------- */
+
+/* A row's accumulators (a, and b when two sets) summed in one fixed order. Not inlined and not
+ * fast-math: -ffast-math may reassociate these adds differently in each (qtype, tile rows) copy of
+ * gemv_row, and a row would then round differently in a tile of 2 rows than in a tile of 4 (it did,
+ * for float32 weights). One call per output element, against K / 32 blocks of FMAs. */
+static __attribute__((noinline, optimize("no-fast-math", "fp-contract=off"))) float row_total(const vf *a,
+                                                                                              const vf *b) {
+    vf s = a[0];
+    for (int v = 1; v < NV; v++) s = v_add(s, a[v]);
+    if (b)
+        for (int v = 0; v < NV; v++) s = v_add(s, b[v]);
+    return v_sum(s);
+}
 
 /* res[m * N] = dot(x row m, dequant(weight row)) for the mt rows of one tile */
 AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, float *res, int64_t N) {
@@ -130,13 +158,18 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
         for (int m = 0; m < mt; m++)
             for (int v = 0; v < NV; v++) acc[m][v] = v_fma(w[v], v_load(x + m * K + b * 32 + v * VW), acc[m][v]);
     }
-    for (int m = 0; m < mt; m++) {
-        vf s = acc[m][0];
-        for (int v = 1; v < NV; v++) s = v_add(s, acc[m][v]);
-        if (U == 2)
-            for (int v = 0; v < NV; v++) s = v_add(s, acc[mt + m][v]);
-        res[m * N] = v_sum(s);
+    if (qt == GF32 && K % 32) { /* float32 rows of any K: the last columns as one zero-padded block */
+        const int kt = (int)(K % 32);
+        float wt[32] = {0}, xt[32] = {0};
+        memcpy(wt, (const float *)wr + nb * 32, sizeof(float) * kt);
+        vf w[NV];
+        deq_block(GF32, (const uint8_t *)wt, w);
+        for (int m = 0; m < mt; m++) {
+            memcpy(xt, x + m * K + nb * 32, sizeof(float) * kt);
+            for (int v = 0; v < NV; v++) acc[m][v] = v_fma(w[v], v_load(xt + v * VW), acc[m][v]);
+        }
     }
+    for (int m = 0; m < mt; m++) res[m * N] = row_total(acc[m], U == 2 ? acc[mt + m] : NULL);
 }
 
 /* the (qtype, tile rows) pairs as constants, so each inlined copy keeps its accumulators in registers */
@@ -149,7 +182,7 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
     }
 
 static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
-    const int64_t rb = K / 32 * BLOCK_BYTES[qt], chunks = (N + NC - 1) / NC;
+    const int64_t rb = qt == GF32 ? K * 4 : K / 32 * BLOCK_BYTES[qt], chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
@@ -163,8 +196,10 @@ static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
                     GEMV_CASE(GQ8_0)
                 } else if (qt == GQ4_0) {
                     GEMV_CASE(GQ4_0)
-                } else {
+                } else if (qt == GQ4_1) {
                     GEMV_CASE(GQ4_1)
+                } else {
+                    GEMV_CASE(GF32)
                 }
             }
         }
@@ -174,6 +209,15 @@ static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
 /* x [M, K] float32 (contiguous) @ dequant(w [N, K/32 blocks]).T -> out [M, N] float32 */
 int ggml_matmul_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     gemv_f32(x, w, M, N, K, qt, out);
+    return TF_OK;
+}
+
+/* x [M, K] float32 @ w [N, K] float32 .T -> out [M, N]: the tiles above with plain float32 weights.
+ * Row m of out is computed in the same order whatever M is and wherever row m sits in its tile
+ * (batch invariance: speculative verify rows equal decode rows bit for bit), where MKL's sgemm
+ * picks other kernels for a few rows than for many. */
+int matmul_f32_rowinv(const float *x, const float *w, int64_t M, int64_t N, int64_t K, float *out) {
+    gemv_f32(x, (const uint8_t *)w, M, N, K, GF32, out);
     return TF_OK;
 }
 

@@ -28,7 +28,12 @@
  * (AVX-512), instead of one horizontal sum per dot product. Softmax is exact (two passes over
  * the scores, which stay in a per-task buffer).
  *
- * Prefill chunks run `attend_block`: a task is a block of up to 16 query tokens of one kv head's
+ * Batch invariance: a sequence with up to EXTEND_AS_DECODE query rows (a speculative verify: k + 1
+ * rows) also runs `attend`, each row over its own causal prefix, so every row is bit for bit the
+ * decode row at its position (speculation's greedy output then equals plain decoding's). A row's
+ * result never depends on the other rows or sequences of the batch, nor on the kv-head split.
+ *
+ * Longer prefill chunks run `attend_block`: a task is a block of up to 16 query tokens of one kv head's
  * GQA group, so each 16-key tile read from the cache serves up to 64 query rows; one pass with
  * an online softmax, causal (and window) masks per row. Both kinds of task go into one list,
  * ordered by cost, longest first, and are taken dynamically by the threads.
@@ -49,6 +54,8 @@
 enum { TILE = 16, PF_TILES = 2 };
 /* keys per step of a prefill block: one softmax update (max, exp, rescale) per 64 keys */
 enum { KSTEP = 4 * TILE };
+/* the most queries of one sequence that run decode-structured (see run) */
+enum { EXTEND_AS_DECODE = 32 };
 
 typedef struct {
     const void *q, *k, *v;
@@ -212,53 +219,67 @@ static float softmax_inplace(float *s, int64_t n, int has_sink, float sink) {
     return 1.0f / sum;
 }
 
-/* The decode row `row` of sequence b (its one query, at position ctx[b] - 1): query heads of kv
- * heads [h0, h1); buf holds qf, acc, scores and a row buffer. */
-static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1, float *buf) {
-    const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, nh = h1 - h0, R = nh * G;
-    const int64_t L = a->ctx[b];
-    const int64_t start = (a->window > 0 && L > a->window) ? L - a->window : 0;
-    const int64_t n = L - start, n_pad = (n + TILE - 1) / TILE * TILE;
+/* floats, rounded up to a whole 64-byte line: every buffer region (and every score row) starts
+ * 64-byte aligned, so the compiler-vectorized loops over a row (softmax sum, expf, tanhf: vector
+ * and scalar variants may round differently) split a row the same way whatever the task */
+static inline int64_t lines(int64_t n) { return (n + TILE - 1) / TILE * TILE; }
+
+/* Decode-structured rows: the nq query tokens row0 .. row0 + nq - 1 of sequence b, at positions
+ * pos0 .. pos0 + nq - 1 (query i sees keys start .. pos0 + i), with the query heads of kv heads
+ * [h0, h1). A decode row is nq = 1; a short extend (a speculative verify) runs here too, so that
+ * its rows are computed exactly as decode rows: each row's scores, softmax and value sum take the
+ * same steps (same 16-key tiles from `start`, same two-pass softmax over its own keys, same value
+ * tiles) whatever nq is, while each key and value tile is read once for all the rows. Rows must
+ * share `start` (no window, or nq = 1). buf (64-byte aligned) holds qf, acc, scores, a row buffer. */
+static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t nq, int64_t h0, int64_t h1,
+                   float *buf) {
+    const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, nh = h1 - h0, Rh = nh * G, R = nq * Rh;
+    const int64_t L = pos0 + nq; /* keys of the last query */
+    const int64_t start = (a->window > 0 && pos0 + 1 > a->window) ? pos0 + 1 - a->window : 0;
+    const int64_t n_pad = lines(L - start);
     const int32_t *bt = a->table + b * a->bt_s;
     const int64_t esz = a->bf16 ? 2 : 4;
-    const int64_t o_off = (row * a->Hq + h0 * G) * Dv;
     /* bytes of one token's rows for heads h0..h1-1 */
     const int64_t k_span = ((nh - 1) * a->k_sh + D) * esz, v_span = ((nh - 1) * a->v_sh + Dv) * esz;
 
-    /* rows r = (h - h0) * G + g */
-    float *qf = buf, *acc = qf + R * D, *s = acc + R * Dv, *rowbuf = s + R * n_pad;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t off = row * a->q_st + (h0 * G + r) * a->q_sh;
-        if (a->bf16)
-            widen_bf16((const uint16_t *)a->q + off, qf + r * D, D);
-        else
-            memcpy(qf + r * D, (const float *)a->q + off, sizeof(float) * D);
-        for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
-    }
+    /* rows r = i * Rh + (h - h0) * G + g */
+    float *qf = buf, *acc = qf + lines(R * D), *s = acc + lines(R * Dv), *rowbuf = s + R * n_pad;
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < Rh; j++) {
+            const int64_t r = i * Rh + j, off = (row0 + i) * a->q_st + (h0 * G + j) * a->q_sh;
+            if (a->bf16)
+                widen_bf16((const uint16_t *)a->q + off, qf + r * D, D);
+            else
+                memcpy(qf + r * D, (const float *)a->q + off, sizeof(float) * D);
+            for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
+        }
     /* bfloat16 keys: dot products straight from the cache with AVX512-BF16 where available */
     const int bf16_dot = HAVE_DOT16_BF16 && a->bf16 && D % 32 == 0;
     (void)bf16_dot;
-    /* scores s[r][t - start], 16 keys at a time; a token's heads are adjacent in memory */
+    /* scores s[r][t - start], 16 keys at a time; a token's heads are adjacent in memory. Query i
+     * takes the tiles that start before its own end (pos0 + i + 1), as a decode row of it would. */
     for (int64_t t0 = start; t0 < L; t0 += TILE) {
         const char *tok[TILE];
         for (int i = 0; i < TILE; i++) {
             const int64_t t = t0 + i < L ? t0 + i : L - 1; /* the tail repeats a valid row */
             tok[i] = (const char *)a->k + ((int64_t)bt[t / BS] * a->k_sblk + (t % BS) * a->k_sslot) * esz;
         }
+        const int64_t i_lo = t0 > pos0 ? t0 - pos0 : 0; /* the first query that sees key t0 */
         SpreadPrefetch pf;
         spread_prefetch_init(&pf, (const char *)a->k, bt, t0 + PF_TILES * TILE, L, BS, a->k_sblk, a->k_sslot,
-                             h0 * a->k_sh, esz, k_span, R);
+                             h0 * a->k_sh, esz, k_span, (nq - i_lo) * Rh);
 #if HAVE_DOT16_BF16
         if (bf16_dot) {
             for (int64_t h = h0; h < h1; h++) {
                 const uint16_t *rows[TILE];
                 for (int i = 0; i < TILE; i++) rows[i] = (const uint16_t *)(tok[i] + h * a->k_sh * esz);
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t r = (h - h0) * G + g;
-                    const uint16_t *qr = (const uint16_t *)a->q + row * a->q_st + (h0 * G + r) * a->q_sh;
-                    dot16_bf16(qr, rows, D, a->scale, s + r * n_pad + (t0 - start));
-                    spread_prefetch_step(&pf);
-                }
+                for (int64_t i = i_lo; i < nq; i++)
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t j = (h - h0) * G + g, r = i * Rh + j;
+                        const uint16_t *qr = (const uint16_t *)a->q + (row0 + i) * a->q_st + (h0 * G + j) * a->q_sh;
+                        dot16_bf16(qr, rows, D, a->scale, s + r * n_pad + (t0 - start));
+                        spread_prefetch_step(&pf);
+                    }
             }
             continue;
         }
@@ -266,19 +287,22 @@ static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
             tile_rows(tok, TILE, h * a->k_sh * esz, D, a->bf16, rowbuf, rows);
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t r = (h - h0) * G + g;
-                dot16(qf + r * D, rows, D, s + r * n_pad + (t0 - start));
-                spread_prefetch_step(&pf);
-            }
+            for (int64_t i = i_lo; i < nq; i++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = i * Rh + (h - h0) * G + g;
+                    dot16(qf + r * D, rows, D, s + r * n_pad + (t0 - start));
+                    spread_prefetch_step(&pf);
+                }
         }
     }
-    if (a->softcap > 0.0f)
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t i = 0; i < n; i++) s[r * n_pad + i] = a->softcap * tanhf(s[r * n_pad + i] / a->softcap);
     float inv[R];
-    for (int64_t r = 0; r < R; r++)
-        inv[r] = softmax_inplace(s + r * n_pad, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r] : 0.0f);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = pos0 + r / Rh + 1 - start;
+        float *sr = s + r * n_pad;
+        if (a->softcap > 0.0f)
+            for (int64_t i = 0; i < n; i++) sr[i] = a->softcap * tanhf(sr[i] / a->softcap);
+        inv[r] = softmax_inplace(sr, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r % Rh] : 0.0f);
+    }
     /* acc[r] = sum_t p[r][t] * v[t], 16 values at a time: acc[r] is loaded and stored once per tile */
     memset(acc, 0, sizeof(float) * R * Dv);
     for (int64_t t0 = start; t0 < L; t0 += TILE) {
@@ -288,27 +312,35 @@ static void attend(const Args *a, int64_t b, int64_t row, int64_t h0, int64_t h1
             const int64_t t = t0 + i;
             tok[i] = (const char *)a->v + ((int64_t)bt[t / BS] * a->v_sblk + (t % BS) * a->v_sslot) * esz;
         }
+        const int64_t i_lo = t0 > pos0 ? t0 - pos0 : 0;
         SpreadPrefetch pf;
         spread_prefetch_init(&pf, (const char *)a->v, bt, t0 + PF_TILES * TILE, L, BS, a->v_sblk, a->v_sslot,
-                             h0 * a->v_sh, esz, v_span, R);
+                             h0 * a->v_sh, esz, v_span, (nq - i_lo) * Rh);
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
             tile_rows(tok, cnt, h * a->v_sh * esz, Dv, a->bf16, rowbuf, rows);
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t r = (h - h0) * G + g;
-                axpy_tile(acc + r * Dv, s + r * n_pad + (t0 - start), rows, cnt, Dv);
-                spread_prefetch_step(&pf);
+            for (int64_t i = i_lo; i < nq; i++) {
+                /* query i's keys in this tile: up to its own position, as in its decode row */
+                const int64_t end = pos0 + i + 1 - t0;
+                const int cnt_i = end < cnt ? (int)end : cnt;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = i * Rh + (h - h0) * G + g;
+                    axpy_tile(acc + r * Dv, s + r * n_pad + (t0 - start), rows, cnt_i, Dv);
+                    spread_prefetch_step(&pf);
+                }
             }
         }
     }
-    for (int64_t r = 0; r < R; r++)
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t o_off = ((row0 + r / Rh) * a->Hq + h0 * G + r % Rh) * Dv;
         for (int64_t d = 0; d < Dv; d++) {
             const float x = acc[r * Dv + d] * inv[r];
             if (a->bf16)
-                ((uint16_t *)a->out)[o_off + r * Dv + d] = f32_to_bf16(x);
+                ((uint16_t *)a->out)[o_off + d] = f32_to_bf16(x);
             else
-                ((float *)a->out)[o_off + r * Dv + d] = x;
+                ((float *)a->out)[o_off + d] = x;
         }
+    }
 }
 
 /* One row's scores sr[0..KSTEP) of a key step, valid for j in [j_lo, j_hi): softcapped, turned into
@@ -445,13 +477,15 @@ static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, i
         }
 }
 
-/* grow a task's float buffer to at least `need` elements; NULL (and *cap = 0) when malloc fails */
+/* grow a task's float buffer (64-byte aligned) to at least `need` elements; NULL (and *cap = 0)
+ * when the allocation fails */
 static float *reserve(float *buf, int64_t *cap, int64_t need) {
     if (need <= *cap) return buf;
     free(buf);
-    buf = malloc(sizeof(float) * need);
-    *cap = buf ? need : 0;
-    return buf;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, sizeof(float) * need)) p = NULL;
+    *cap = p ? need : 0;
+    return p;
 }
 
 static void zero_rows(const Args *a, int64_t tok, int64_t head0, int64_t n_heads) {
@@ -462,7 +496,8 @@ static void zero_rows(const Args *a, int64_t tok, int64_t head0, int64_t n_heads
         memset((float *)a->out + o, 0, sizeof(float) * n);
 }
 
-/* A unit of work of a mixed batch: a decode row (kv heads [h0, h1)) or a block of prefill rows. */
+/* A unit of work of a mixed batch: decode-structured rows (queries i0 .. i0 + nt - 1 of a sequence,
+ * kv heads [h0, h1); a decode row is nt = 1) or a block of prefill rows (`block`). */
 typedef struct {
     int64_t cost;
     int32_t b, h0, h1, i0, nt, block;
@@ -477,8 +512,12 @@ static int by_cost_desc(const void *x, const void *y) {
 static inline int64_t first_row(const Args *a, int64_t b) { return a->cu ? a->cu[b] : b; }
 static inline int64_t n_rows(const Args *a, int64_t b) { return a->cu ? a->cu[b + 1] - a->cu[b] : 1; }
 
-/* Any mix of decode rows and prefill chunks: one task list, most expensive first. Returns TF_OK, or
- * TF_ENOMEM when a buffer could not be allocated (the tasks without one are skipped). */
+/* Any mix of decode rows and prefill chunks: one task list, most expensive first. A sequence with
+ * at most EXTEND_AS_DECODE queries (a speculative verify of up to 31 proposed tokens, a short chunk)
+ * runs decode-structured (`attend`): each of its rows is bit for bit what a decode step at that
+ * position gives (batch invariance, tests/kernels/test_batch_invariance.py). Longer chunks run
+ * `attend_block` (online softmax over 64-key steps). Returns TF_OK, or TF_ENOMEM when a buffer
+ * could not be allocated (the tasks without one are skipped). */
 static int run(const Args *a) {
     const int64_t G = a->Hq / a->Hkv;
     /* query tokens per block: enough rows (tokens x G heads) to reuse each key tile ~64 times */
@@ -486,8 +525,8 @@ static int run(const Args *a) {
     int64_t n_dec = 0, n_blk = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t n = n_rows(a, b);
-        if (n == 1)
-            n_dec++;
+        if (n == 1 || (n > 1 && n <= EXTEND_AS_DECODE))
+            n_dec += a->window > 0 ? n : 1; /* windowed rows start at different keys: one task each */
         else if (n > 1)
             n_blk += a->Hkv * ((n + nt_max - 1) / nt_max);
     }
@@ -502,12 +541,16 @@ static int run(const Args *a) {
     int64_t n_tasks = 0;
     for (int64_t b = 0; b < a->B; b++) {
         const int64_t n = n_rows(a, b), L = a->ctx[b];
-        if (n == 1) {
-            for (int64_t h0 = 0; h0 < a->Hkv; h0 += per) {
-                const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
-                const int64_t keys = a->window > 0 && L > a->window ? a->window : L;
-                tasks[n_tasks++] = (Task){keys * (h1 - h0) * G, (int32_t)b, (int32_t)h0, (int32_t)h1, 0, 1, 0};
-            }
+        if (n == 1 || (n > 1 && n <= EXTEND_AS_DECODE)) {
+            const int64_t step = a->window > 0 ? 1 : n;
+            for (int64_t i0 = 0; i0 < n; i0 += step)
+                for (int64_t h0 = 0; h0 < a->Hkv; h0 += per) {
+                    const int64_t h1 = h0 + per < a->Hkv ? h0 + per : a->Hkv;
+                    const int64_t last = L - n + i0 + step; /* keys of the task's last query */
+                    const int64_t keys = a->window > 0 && last > a->window ? a->window : last;
+                    tasks[n_tasks++] = (Task){keys * (h1 - h0) * G * step, (int32_t)b, (int32_t)h0, (int32_t)h1,
+                                              (int32_t)i0, (int32_t)step, 0};
+                }
         } else if (n > 1) {
             for (int64_t i0 = 0; i0 < n; i0 += nt_max) {
                 const int64_t nt = n - i0 < nt_max ? n - i0 : nt_max, last = L - n + i0 + nt - 1;
@@ -532,28 +575,30 @@ static int run(const Args *a) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_tasks; i++) {
             const Task *t = &tasks[i];
-            const int64_t tok = first_row(a, t->b), L = a->ctx[t->b], R = (t->h1 - t->h0) * G;
+            const int64_t n = n_rows(a, t->b), tok = first_row(a, t->b) + t->i0, L = a->ctx[t->b];
+            const int64_t pos0 = L - n + t->i0;
             if (!t->block) {
-                if (L <= 0) {
+                const int64_t R = (int64_t)t->nt * (t->h1 - t->h0) * G, keys = pos0 + t->nt;
+                if (keys <= 0) { /* a decode row over an empty context (wrapper checks keep extends >= 1) */
                     zero_rows(a, tok, t->h0 * G, R);
                     continue;
                 }
-                buf = reserve(buf, &cap, R * (a->D + a->Dv + L + TILE) + rowbuf);
+                buf = reserve(buf, &cap, lines(R * a->D) + lines(R * a->Dv) + R * lines(keys) + rowbuf);
                 if (!buf) {
 #pragma omp atomic write
                     failed = 1;
                     continue;
                 }
-                attend(a, t->b, tok, t->h0, t->h1, buf);
+                attend(a, t->b, tok, pos0, t->nt, t->h0, t->h1, buf);
             } else {
-                const int64_t n = n_rows(a, t->b), rows = t->nt * G;
+                const int64_t rows = t->nt * G;
                 buf = reserve(buf, &cap, rows * (a->D + a->Dv + KSTEP + 2) + KSTEP * (a->D + a->Dv));
                 if (!buf) {
 #pragma omp atomic write
                     failed = 1;
                     continue;
                 }
-                attend_block(a, t->b, tok + t->i0, L - n + t->i0, t->nt, t->h0, buf);
+                attend_block(a, t->b, tok, pos0, t->nt, t->h0, buf);
             }
         }
         free(buf);
