@@ -97,6 +97,7 @@ class _Compiler:
             shared=int(ck.metadata.shared) + static_shared,
             hgmma=len(re.findall(r"\bHGMMA\b", sass)),
             hmma=len(re.findall(r"\bHMMA\b", sass)),
+            qgmma=len(re.findall(r"\bQGMMA\b", sass)),  # FP8 warp-group MMA (e4m3/e5m2 operands)
             async_copies=len(re.findall(r"\bLDGSTS\b", sass)),
             compile_s=round(time.perf_counter() - t0, 2),
         ))

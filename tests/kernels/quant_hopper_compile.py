@@ -1,0 +1,81 @@
+"""Compile the FP8 Triton kernels (kernels/quant.py) for Hopper (sm_90) without a GPU, at the
+dispatcher's configs (``quant_config`` / ``mm_config``), and read their SASS: FP8 tensor-core
+instructions (``QGMMA``: warp-group MMA with e4m3 operands), registers, shared and local memory.
+
+Workloads: activation quant of Llama-8B's hidden (4096) at 1 and 4096 tokens; the block-scaled
+W8A8 GEMM at 1 / 16 / 256 / 4096 tokens for Llama-3.1-8B's gate_up (28672 x 4096) and a DeepSeek-V3
+expert's down projection (7168 x 2048), and the per-channel variant (compressed-tensors / online FP8).
+
+    TRITON_INTERPRET=0 python tests/kernels/quant_hopper_compile.py --json out.json --markdown
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _gemm(m: int, n: int, k: int, block: bool) -> None:
+    from tokenfab.kernels import quant
+
+    a = torch.empty(m, k, dtype=FP8)
+    w = torch.empty(n, k, dtype=FP8)
+    a_s = torch.empty(m, (k + 127) // 128 if block else 1)
+    w_s = torch.empty((n + 127) // 128, (k + 127) // 128) if block else torch.empty(n, 1)
+    quant._w8a8_scaled_mm_triton(a, a_s, w, w_s, 128 if block else 1, torch.bfloat16)
+
+
+def _act(m: int, k: int, ue8m0: bool) -> None:
+    from tokenfab.kernels import quant
+
+    quant._per_token_group_quant_triton(torch.empty(m, k, dtype=torch.bfloat16), 128, ue8m0)
+
+
+def _workloads() -> list[tuple[str, Callable[[], None]]]:
+    work: list[tuple[str, Callable[[], None]]] = [
+        ("act quant bf16 [1, 4096]", lambda: _act(1, 4096, False)),
+        ("act quant bf16 [4096, 4096] ue8m0", lambda: _act(4096, 4096, True)),
+    ]
+    for m in (1, 16, 256, 4096):
+        work.append((f"fp8 block gemm llama-8b gate_up 28672x4096 M={m}", lambda m=m: _gemm(m, 28672, 4096, True)))
+    for m in (1, 4096):
+        work.append((f"fp8 block gemm deepseek expert down 7168x2048 M={m}",
+                     lambda m=m: _gemm(m, 7168, 2048, True)))
+    work.append(("fp8 channel gemm llama-8b down 4096x14336 M=4096", lambda: _gemm(4096, 4096, 14336, False)))
+    return work
+
+
+def compile_all(only: str | None = None) -> list[dict]:
+    from tokenfab.kernels import quant
+
+    results: list[dict] = []
+    current = {"label": ""}
+    saved = patch_kernels([quant], results, lambda: current["label"])
+    try:
+        for label, fn in _workloads():
+            if only and only not in label:
+                continue
+            current["label"] = label
+            fn()
+    finally:
+        restore(saved)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(compile_all, __doc__.splitlines()[0], argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The FP8 kernels compile for Hopper (sm_90) at the dispatcher's configs, without a GPU (kernel rule 5):
+no spills, within the register and shared-memory budgets, and the W8A8 GEMM's 64+-row tiles multiply
+on FP8 tensor cores (QGMMA: warp-group MMA with e4m3 operands in the SASS). Decode-sized tiles (16
+rows) use mma.sync (HMMA); they are bound by reading the float8 weights, not by the MMA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernels.conftest import HAS_CUDA
+
+HERE = Path(__file__).resolve().parent
+H100_MAX_SHARED = 227 * 1024
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> list[dict]:
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the kernel tests compiled and ran the kernels for real")
+    out = tmp_path_factory.mktemp("hopper_fp8") / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
+    env["TRITON_INTERPRET"] = "0"
+    proc = subprocess.run([sys.executable, str(HERE / "quant_hopper_compile.py"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_both_kernels_compile(records):
+    assert {r["kernel"] for r in records} == {"_per_token_group_quant_kernel", "_w8a8_scaled_mm_kernel"}
+
+
+def test_no_spills_and_budgets(records):
+    for r in records:
+        assert r["local"] == 0 and r["stack"] == 0, r
+        assert r["registers"] * 32 * r["num_warps"] <= 65536, r
+        assert r["shared"] <= H100_MAX_SHARED, r
+
+
+def test_gemm_uses_fp8_tensor_cores(records):
+    gemms = [r for r in records if r["kernel"] == "_w8a8_scaled_mm_kernel"]
+    assert any(r["config"]["BLOCK_M"] >= 64 for r in gemms)
+    for r in gemms:
+        if r["config"]["BLOCK_M"] >= 64:
+            assert r["qgmma"] > 0, f"{r['workload']}: no FP8 warp-group MMA (QGMMA) in the SASS"
+        else:
+            assert r["hmma"] + r["qgmma"] > 0, f"{r['workload']}: no tensor-core MMA in the SASS"
