@@ -441,8 +441,9 @@ _ROUND_TRIP = {
         "{% elif m.role == 'tool' %}<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ m.content }}"
         "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>{% else %}<｜Assistant｜>{{ m.content or '' }}"
         "<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}{% if not loop.first %}\n{% endif %}"
-        "<｜tool▁call▁begin｜>{{ tc.type }}<｜tool▁sep｜>{{ tc.function.name }}\n```json\n{{ tc.function.arguments }}"
-        "\n```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+        "{{ '<｜tool▁call▁begin｜>' + tc.type + '<｜tool▁sep｜>' + tc.function.name + '\\n```json\\n' "
+        "+ tc.function.arguments + '\\n```<｜tool▁call▁end｜>' }}{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+        "{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
         "<｜end▁of▁sentence｜>",
     ),
@@ -450,7 +451,8 @@ _ROUND_TRIP = {
         "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
         "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
         "{% else %}<｜Assistant｜></think>{{ m.content or '' }}<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}"
-        "<｜tool▁call▁begin｜>{{ tc.function.name }}<｜tool▁sep｜>{{ tc.function.arguments }}<｜tool▁call▁end｜>"
+        "{{ '<｜tool▁call▁begin｜>' + tc.function.name + '<｜tool▁sep｜>' + tc.function.arguments "
+        "+ '<｜tool▁call▁end｜>' }}"
         "{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}",
         "<｜end▁of▁sentence｜>",
@@ -484,7 +486,8 @@ _ROUND_TRIP = {
         "<|message_sep|>",
     ),
 }
-_STRING_ARGS = {"deepseek_v3", "deepseek_v31"}  # these templates concatenate arguments, so they must be JSON text
+# these templates concatenate the arguments as a string (as DeepSeek's published ones do), so they must be JSON text
+_STRING_ARGS = {"deepseek_v3", "deepseek_v31"}
 
 
 def _render(template: str, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -519,3 +522,38 @@ def test_template_round_trip(family):
     if family == "kimi_k2":
         assert [c.id for c in out.calls] == [tc["id"] for tc in tool_calls]
     _same(assemble(_stream(get_tool_parser(family), list(generated))), out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenfab.engine.core_client import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.mark.parametrize("family", list(_ROUND_TRIP))
+def test_template_round_trip_through_the_server_renderer(family, tokenizer):
+    """The same round trip through the server's own path: OpenAI messages (arguments as JSON text, as clients
+    send them) -> `render_chat` (transformers' apply_chat_template, the family template as the model's). The
+    DeepSeek templates concatenate the arguments as a string, the others iterate or ``tojson`` them: both work."""
+    from tokenfab.server.chat import render_chat
+    from tokenfab.server.protocol import ChatMessage
+
+    template, end_of_turn = _ROUND_TRIP[family]
+    single = family in ("gigachat3", "llama3_json")
+    calls = [NESTED] if single else [WEATHER, NESTED]
+    tool_calls = [{"id": f"functions.{n}:{i}" if family == "kimi_k2" else f"call_{i}", "type": "function",
+                   "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
+                  for i, (n, a) in enumerate(calls)]
+    user = {"role": "user", "content": "Plan a trip to Zürich."}
+    turn = {"role": "assistant", "content": CONTENT, "tool_calls": tool_calls}
+    result = {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": '{"temp": 21}'}
+
+    def render(msgs: list[dict]) -> str:
+        return render_chat(tokenizer, [ChatMessage.model_validate(m) for m in msgs], chat_template=template)
+
+    prompt, full = render([user]), render([user, turn, result])
+    assert full.startswith(prompt) and '{"temp": 21}' in full
+    out = get_tool_parser(family).extract(full[len(prompt) :].split(end_of_turn)[0])
+    assert out.content == (None if family == "llama3_json" else CONTENT)
+    assert _calls(out) == calls

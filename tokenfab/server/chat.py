@@ -48,20 +48,27 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                 continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
                 chat_template: str | None = None) -> str:
     """The prompt text of ``messages`` under the model's chat template (or ``chat_template``, which
-    the caller has checked is trusted). Runs in the server's tokenizer pool, off the event loop."""
-    conv = template_messages(messages)
+    the caller has checked is trusted). Runs in the server's tokenizer pool, off the event loop.
+
+    Tool-call arguments go to the template as dicts (Hugging Face's convention); a template that fails on
+    them (one that concatenates them as a string, as DeepSeek-V3's and V3.1's do) is tried again with the
+    arguments as the JSON text the client sent."""
     if continue_final_message:
         add_generation_prompt = False
     extra = dict(kwargs or {})
     if chat_template is not None:
         extra["chat_template"] = chat_template
-    try:
-        return tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **extra,
-        )
-    except Exception as e:  # jinja errors: role order, bad kwargs
-        raise APIError(400, f"could not apply the chat template: {e}", param="messages") from e
+    has_calls = any(m.tool_calls for m in messages)
+    error: Exception | None = None
+    for as_text in (False, True) if has_calls else (False,):
+        try:
+            return tokenizer.apply_chat_template(
+                template_messages(messages, arguments_as_text=as_text), tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra,
+            )
+        except Exception as e:  # jinja errors: role order, bad kwargs
+            error = error or e
+    raise APIError(400, f"could not apply the chat template: {error}", param="messages") from error
 
 
 @functools.lru_cache(maxsize=8)

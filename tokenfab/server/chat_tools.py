@@ -141,9 +141,11 @@ def grammar_format(plan: ToolPlan) -> ResponseFormat | None:
                                                                            strict=True))
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], arguments_as_text: bool = False) -> list[dict[str, Any]]:
     """The conversation as chat templates expect it: assistant ``tool_calls`` with arguments as a dict (as
-    Hugging Face templates read them), tool messages with ``tool_call_id``."""
+    Hugging Face templates read them) or, with `arguments_as_text`, as the JSON text the client sent (for
+    templates that concatenate them as a string: DeepSeek-V3's and V3.1's ``'<｜tool▁sep｜>' +
+    tool['function']['arguments']``), tool messages with ``tool_call_id``."""
     conv = []
     for m in messages:
         content = m.content
@@ -155,7 +157,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name,
-                                               "arguments": json.loads(c.function.arguments)}}
+                                               "arguments": c.function.arguments if arguments_as_text
+                                               else json.loads(c.function.arguments)}}
                                  for c in m.tool_calls]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
