@@ -419,3 +419,59 @@ def test_event_builder_orders_items_and_numbers_events() -> None:
     empty = EventBuilder()
     assert [e["type"] for e in empty.close(incomplete=True)][-1] == "response.output_item.done"
     assert empty.items[0]["type"] == "message" and empty.items[0]["status"] == "incomplete"
+
+
+# ---- GPT-OSS (Harmony), a tiny random model: the Responses API is its native one ----
+def _harmony_missing() -> str | None:
+    from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+
+    try:
+        ensure_harmony_vocab()
+        return None
+    except HarmonyVocabUnavailable as e:
+        return str(e)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: Any) -> Any:
+    if (why := _harmony_missing()) is not None:
+        pytest.skip(f"no offline o200k: {why}")
+    from tests.server.harmony_model import save_tiny_gpt_oss
+    from tokenfab import LLM
+
+    path = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    llm = LLM(model=str(path), max_model_len=512)
+    server = LiveServer(build_app(AsyncEngine(llm.engine), ServerConfig(drain_timeout=5)))
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
+def test_gpt_oss_prompt_is_harmony_and_calls_round_trip(gpt_oss: openai.OpenAI) -> None:
+    from tokenfab.server.reasoning.harmony_prompt import render_gpt_oss_prompt
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Zürich"]}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather now", "parameters": weather}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    ask = [{"role": "user", "content": "Weather in Zürich?"}]
+    for effort in ("low", "high"):
+        r = gpt_oss.responses.create(model=None, input="Weather in Zürich?", tools=tools, max_output_tokens=4,
+                                     temperature=0.0, reasoning={"effort": effort})
+        assert r.usage.input_tokens == len(render_gpt_oss_prompt(ask, chat_tools, effort))
+    named = dict(model=None, input="Weather in Zürich?", tools=tools, max_output_tokens=40, temperature=0.0,
+                 tool_choice={"type": "function", "name": "get_weather"})
+    first = gpt_oss.responses.create(**named)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), weather)
+    with gpt_oss.responses.stream(**named) as s:
+        final = s.get_final_response()
+    assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == [(call.name, call.arguments)]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 3}'}
+    second = gpt_oss.responses.create(model=None, input=[result], previous_response_id=first.id, tools=tools,
+                                      max_output_tokens=8, temperature=0.0)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    streamed = list(gpt_oss.responses.create(model=None, input=[result], previous_response_id=first.id, tools=tools,
+                                             max_output_tokens=8, temperature=0.0, stream=True))
+    assert streamed[-1].response.usage.input_tokens == second.usage.input_tokens
+    assert [i.type for i in streamed[-1].response.output] == [i.type for i in second.output]
+    assert streamed[-1].response.output_text == second.output_text

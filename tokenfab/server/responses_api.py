@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from tokenfab.engine.async_engine import StreamChunk
 from tokenfab.server.chat import parser_names
+from tokenfab.server.chat_harmony import HarmonyShaper, harmony_stop_token_ids, render_harmony_prompt, uses_harmony
 from tokenfab.server.chat_tools import ChoiceShaper, check_request, grammar_format
 from tokenfab.server.errors import APIError
 from tokenfab.server.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
@@ -116,6 +117,9 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[
 def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"messages": messages, "temperature": body.temperature, "top_p": body.top_p,
                               "max_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls}
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort in _EFFORT:  # GPT-OSS: in Harmony's system message (other templates: _template_kwargs)
+        fields["reasoning_effort"] = _EFFORT[effort]
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                            for t in body.tools]
@@ -190,8 +194,14 @@ class ResponsesAPI:
             kwargs = dict(template_kwargs or {})
             if plan.tools and plan.mode != "none":
                 kwargs["tools"] = plan.tools
-            text = await server.render_chat(chat.messages, True, False, kwargs or None, None)
-            ids = await server.tokenize(text, add_special_tokens=False, param="input")
+            tool_parser, reasoning_name = parser_names(server)
+            harmony = uses_harmony(tool_parser, reasoning_name, chat)
+            text: str | None = None
+            if harmony:  # GPT-OSS: openai-harmony renders the prompt's token ids (chat_harmony.py)
+                ids = await server.offload(render_harmony_prompt, chat, plan, param="input")
+            else:
+                text = await server.render_chat(chat.messages, True, False, kwargs or None, None)
+                ids = await server.tokenize(text, add_special_tokens=False, param="input")
             max_tokens = server.check_length(len(ids), body.max_output_tokens, body.max_output_tokens is not None,
                                              "input")
             tool_format, text_format = grammar_format(plan), _text_format(body)
@@ -199,14 +209,16 @@ class ResponsesAPI:
                 raise APIError(400, f"tool_choice {plan.mode} is enforced by a grammar and cannot be combined with "
                                "text.format", param="text.format")
             constraint = await server.build_constraint(tool_format or text_format)
-            tool_parser, reasoning_name = parser_names(server)
             reasoning = (get_reasoning_parser(reasoning_name, chat_template_kwargs=template_kwargs, prompt=text)
-                         if reasoning_name else None)
+                         if reasoning_name and not harmony else None)
             params = server.sampling_params(chat, max_tokens, None, constraint)
+            if harmony:  # <|return|> ends an answer, <|call|> a tool call
+                params.stop_token_ids = sorted({*params.stop_token_ids, *harmony_stop_token_ids()})
             server.check_request([ids], params, "input")
         response_id = "resp_" + secrets.token_hex(24)
         stream = await server.submit([ids], params, 0, arrival, response_id)
-        shaper = ChoiceShaper(plan, tool_parser, reasoning)
+        shaper: ChoiceShaper | HarmonyShaper = (HarmonyShaper(plan) if harmony and not plan.constrained
+                                                else ChoiceShaper(plan, None if harmony else tool_parser, reasoning))
         skeleton = self._skeleton(body, response_id)
 
         async def finalize(items: list[dict[str, Any]], last: StreamChunk | None,
@@ -216,7 +228,10 @@ class ResponsesAPI:
         if body.stream:
             return EngineStreamingResponse(response_events(skeleton, request, stream, shaper, finalize), stream)
         last = (await collect(stream, request))[0][-1]
-        message, reason = shaper.final(last.text or "", finish(last.finish_reason))
+        if isinstance(shaper, HarmonyShaper):
+            message, reason = shaper.final_ids(last.token_ids or [], finish(last.finish_reason))
+        else:
+            message, reason = shaper.final(last.text or "", finish(last.finish_reason))
         return JSONResponse(await finalize(_output_items(message, reason == "length"), last, reason))
 
     def _skeleton(self, body: ResponsesRequest, response_id: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import Request
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.server.chat_harmony import HarmonyShaper
 from tokenfab.server.chat_tools import ChoiceShaper
 from tokenfab.server.streaming import ClientGone, finish, stream_error, watch
 
@@ -181,8 +182,8 @@ def sse_event(event: dict[str, Any]) -> str:
 Finalize = Callable[[list[dict[str, Any]], StreamChunk | None, str | None], Awaitable[dict[str, Any]]]
 
 
-async def response_events(skeleton: dict[str, Any], request: Request, stream: RequestStream, shaper: ChoiceShaper,
-                          finalize: Finalize) -> AsyncIterator[str]:
+async def response_events(skeleton: dict[str, Any], request: Request, stream: RequestStream,
+                          shaper: ChoiceShaper | HarmonyShaper, finalize: Finalize) -> AsyncIterator[str]:
     """The SSE body of a streamed response. ``skeleton``: the response object before any output;
     ``finalize(items, last_chunk, finish_reason)``: the finished response object (usage, status; stores it)."""
     b = EventBuilder()
@@ -193,7 +194,7 @@ async def response_events(skeleton: dict[str, Any], request: Request, stream: Re
         last: StreamChunk | None = None
         reason: str | None = None
         async for chunk in stream:
-            deltas = shaper.feed(chunk.delta_text) if chunk.delta_text else []
+            deltas = shaper.feed_chunk(chunk)
             if chunk.finished:
                 last = chunk
                 tail, reason = shaper.finish(finish(chunk.finish_reason))
