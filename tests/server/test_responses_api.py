@@ -375,6 +375,65 @@ def test_disconnect_aborts_the_request() -> None:
         server.stop()
 
 
+def test_fuzzed_items_never_5xx() -> None:
+    """Plausible and hostile input items, tools and formats (hypothesis): every answer < 500 with OpenAI's error
+    body on 4xx, every 200 valid against the documented model, every stream ends with [DONE]."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.server.fuzzing import _check_error_body, _check_stream
+
+    text = st.one_of(st.text(max_size=8), st.sampled_from(["\ud800", "", "{}", '{"a": 1}', "call_1", "😀"]))
+    anything = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | text,
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                            max_leaves=8)
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image"])},
+                                 optional={"text": text, "refusal": text, "annotations": anything})
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"])},
+                              optional={"content": st.one_of(text, st.lists(part, max_size=2)), "type": text,
+                                        "id": text, "status": text}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text, "name": text,
+                               "arguments": text}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text,
+                               "output": st.one_of(text, st.lists(part, max_size=2))}),
+        st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])},
+                              optional={"summary": anything, "content": anything}),
+        anything)
+    tool = st.one_of(st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "g", "a b"])},
+                                           optional={"parameters": st.one_of(st.just({"type": "object"}), anything),
+                                                     "strict": st.booleans()}), anything)
+    body = st.fixed_dictionaries(
+        {"input": st.one_of(text, st.lists(item, max_size=4), anything)},
+        optional={"instructions": text, "tools": st.lists(tool, max_size=2),
+                  "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required", "any"]),
+                                           st.fixed_dictionaries({"type": st.just("function"),
+                                                                  "name": st.sampled_from(["f", "zz"])})),
+                  "max_output_tokens": st.integers(-1, 12), "stream": st.booleans(),
+                  "previous_response_id": text, "store": st.booleans(), "reasoning": anything,
+                  "text": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                      {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                      optional={"schema": anything, "name": text})}), anything),
+                  "metadata": anything, "temperature": st.floats(-1, 3), "parallel_tool_calls": anything})
+    with fake_server(ServerConfig(drain_timeout=0), step_time=0.0, max_model_len=96) as (c, _):
+        @given(body=body)
+        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        def fuzz(body: Any) -> None:
+            resp = c.post("/v1/responses", content=json.dumps(body), headers={"Content-Type": "application/json"})
+            statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+            assert resp.status_code < 500, (body, resp.text[:500])
+            assert _check_error_body(resp) is None, (body, resp.text[:500])
+            assert _check_stream(resp) is None, (body, resp.text[-500:])
+            if resp.status_code == 200 and "json" in resp.headers["content-type"]:
+                ResponseObject.model_validate(resp.json())
+
+        statuses: dict[int, int] = {}
+        fuzz()
+        assert c.get("/health").status_code == 200
+    assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 10, statuses  # both paths were reached
+
+
 # ---- units ----
 def test_store_lru_ttl_and_bytes() -> None:
     now = [0.0]
