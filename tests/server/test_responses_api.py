@@ -351,6 +351,16 @@ def test_cut_by_max_output_tokens_is_incomplete(scripted: Any) -> None:
     assert events[-2]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
+def test_engine_failure_is_reported_not_hidden() -> None:
+    with fake_server() as (c, _):
+        assert_error(c.post("/v1/responses", json={"input": "POISON", "max_output_tokens": 4}), 500)
+        events = sse_events(c.post("/v1/responses", json={"input": "POISON", "max_output_tokens": 4,
+                                                          "stream": True}).text)
+        assert [e if e == "[DONE]" else e["type"] for e in events][-3:] == ["error", "response.failed", "[DONE]"]
+        assert events[-2]["response"]["status"] == "failed" and events[-2]["response"]["error"]["message"]
+        assert c.post("/v1/responses", json={"input": "fine", "max_output_tokens": 2}).status_code == 200
+
+
 def test_disconnect_aborts_the_request() -> None:
     fake = FakeEngine(step_time=0.01, max_model_len=100_000)
     engine = AsyncEngine(fake)
