@@ -89,3 +89,18 @@ def test_bad_arguments(gen):
         moe_w4a16.fused_experts_w4a16_ref(x, q13, s13, q2, s2, tw, ids, w13_g=torch.ones(4), w2_g=torch.ones(4))
     with pytest.raises(ValueError, match="do not fit"):
         moe_w4a16.fused_experts_w4a16_ref(torch.randn(2, 32), q13, s13, q2, s2, tw, ids)
+
+
+def test_opcheck_fake_impls(gen):
+    """Both custom ops' schemas and fake (meta) impls agree with the real ones (torch.compile tracing)."""
+    from tests.kernels.test_w4a16 import make_weight as mw
+
+    q, s, gs = mw("nvfp4", 32, 64, gen)
+    x = torch.randn(3, 64, generator=gen)
+    s = s.view(torch.uint8)  # E4M3 bits (the op takes either; opcheck's harness cannot compare float8 tensors)
+    torch.library.opcheck(torch.ops.tokenfab.w4a16_gemm, (x, q, s, gs, None, "nvfp4", 64),
+                          test_utils=("test_schema", "test_faketensor"))
+    (q13, s13, _), (q2, s2, _) = make_experts("mxfp4", 4, 64, 32, gen)
+    tw, ids = routing(3, 4, 2, gen)
+    torch.library.opcheck(torch.ops.tokenfab.fused_experts_w4a16, (x, q13, s13, q2, s2, tw, ids),
+                          {"codec": "mxfp4"}, test_utils=("test_schema", "test_faketensor"))
