@@ -18,8 +18,8 @@ Two ops, each a Triton kernel, a plain-PyTorch reference of the same signature a
 
 ``fp8_linear`` is what the quantized layers call: on CUDA (or ``TOKENFAB_KERNELS=triton``) it
 quantizes the activations and runs the W8A8 GEMM; on CPU it dequantizes the layer's weight for
-this call (weight-only, activations unquantized, the weights stay float8 in memory) and runs
-``F.linear``: the numbers transformers' dequantized FP8 model computes.
+this call (the weights stay float8 in memory) and runs ``F.linear``, with the activations rounded
+through float8 or not, matching what transformers computes for each format.
 """
 
 from __future__ import annotations
@@ -294,25 +294,46 @@ def _(a, a_s, w, w_s, group_n, out_dtype):
 # ----------------------------------------------------------------------------- the layers' entry
 
 
+def quantize_per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], scales [M, 1]): one scale per token (amax / 448), or the static
+    per-tensor ``input_scale`` for every token. Plain tensor ops (a few elementwise kernels)."""
+    xf = x.float()
+    if input_scale is not None:
+        s = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        s = xf.abs().amax(-1, keepdim=True).clamp_min(SCALE_MIN) / FP8_MAX
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_n: int, bias: torch.Tensor | None,
-               ue8m0: bool = False, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+               ue8m0: bool = False, input_scale: torch.Tensor | None = None, act: str = "group",
+               cpu_act_quant: bool = False) -> torch.Tensor:
     """``x @ dequant(w, w_s).T + bias`` for x [..., K].
 
-    Triton (CUDA, or ``TOKENFAB_KERNELS=triton``): W8A8, activations quantized per token and 128
-    channels (or with the static per-tensor ``input_scale``), then the scaled GEMM. Otherwise the
-    weight is dequantized for this call only and multiplied in x's dtype (weight-only)."""
+    ``act``: how activations are quantized: "group" (per token and 128 channels, block FP8),
+    "token" (one scale per token), "static" (``input_scale``, one per tensor).
+    Triton (CUDA, or ``TOKENFAB_KERNELS=triton``): W8A8, the activations quantized so, then the scaled
+    GEMM. Otherwise the weight is dequantized for this call only and multiplied in x's dtype; with
+    ``cpu_act_quant`` the activations are first rounded through float8 as the GPU path does
+    (compressed-tensors' semantics, what transformers computes for it), else they are not
+    (transformers' dequantized block-FP8 model)."""
     shape = x.shape
     n, k = w.shape
-    if backend(x) != "triton":
-        out = F.linear(x, dequantize_fp8(w, w_s, group_n, x.dtype), bias)
-        return out
     x2 = x.reshape(-1, k)
-    if input_scale is not None:
-        s = input_scale.float().reshape(1, 1).to(x.device)
-        q = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        a_s = s.expand(x2.shape[0], 1)
-    else:
+    if backend(x) != "triton":
+        if cpu_act_quant:
+            if act == "group":
+                q, a_s = per_token_group_quant_fp8_ref(x2, GROUP_K, ue8m0)
+            else:
+                q, a_s = quantize_per_token_fp8(x2, input_scale if act == "static" else None)
+            x2 = dequantize_fp8(q, a_s, 1, x.dtype)
+        out = F.linear(x2, dequantize_fp8(w, w_s, group_n, x.dtype), bias)
+        return out.view(*shape[:-1], n)
+    if act == "group":
         q, a_s = per_token_group_quant_fp8(x2, GROUP_K, ue8m0)
+    else:
+        q, a_s = quantize_per_token_fp8(x2, input_scale if act == "static" else None)
     out = w8a8_scaled_mm(q, a_s, w, w_s, group_n, x.dtype)
     if bias is not None:
         out = out + bias

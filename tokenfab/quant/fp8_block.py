@@ -41,17 +41,21 @@ class FP8Linear(QuantizedModule):
     output row, ``weight_scale``, [N, 1] or a per-tensor scalar). ``online``: the checkpoint
     holds float weights and the layer quantizes them as they load. ``static_input``: an
     ``input_scale`` tensor quantizes the activations (per tensor) instead of per token.
+    ``act`` / ``cpu_act_quant``: see ``kernels.quant.fp8_linear``.
     """
 
     def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  scheme: str = "block", ue8m0: bool = False, online: bool = False,
-                 static_input: bool = False) -> None:
+                 static_input: bool = False, act: str | None = None, cpu_act_quant: bool = False) -> None:
         super().__init__()
         if scheme not in ("block", "channel"):
             raise ValueError(f"scheme must be block or channel, not {scheme!r}")
         self.in_features, self.shard_sizes = in_features, list(shard_sizes)
         self.out_features = sum(self.shard_sizes)
         self.scheme, self.ue8m0, self.online, self.dtype = scheme, ue8m0, online, dtype
+        # activations: per token and 128 channels (block), per token, or the static input_scale
+        self.act = "static" if static_input else act or ("group" if scheme == "block" else "token")
+        self.cpu_act_quant = cpu_act_quant
         self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
         n, k = self.out_features, in_features
         kb = _cdiv(k, BLOCK)
@@ -132,7 +136,8 @@ class FP8Linear(QuantizedModule):
     # ------------------------------------------------------------------ compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.qweight, self.weight_scale, self.group_n, self.bias, self.ue8m0, self.input_scale)
+        return fp8_linear(x, self.qweight, self.weight_scale, self.group_n, self.bias, self.ue8m0, self.input_scale,
+                          self.act, self.cpu_act_quant)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -145,7 +150,7 @@ class FP8Linear(QuantizedModule):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.shard_sizes}, scheme={self.scheme}, group_n={self.group_n}, "
-                f"ue8m0={self.ue8m0}, online={self.online}")
+                f"act={self.act}, ue8m0={self.ue8m0}, online={self.online}")
 
 
 def quantize_weight(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@
 tensor}``, ``input_activations`` dynamic (per token) or static (per tensor, an ``input_scale``
 tensor), and an ``ignore`` list (module names and ``re:`` regexes). Each linear: float8_e4m3fn
 ``weight`` [N, K] and ``weight_scale`` [N, 1] (channel) or one value (tensor). Runs through the
-same FP8 GEMM as block FP8, with one scale per output row.
+same FP8 GEMM as block FP8, with one scale per output row and activations quantized per token
+(dynamic) or with the static scale. Without ``input_activations`` (weight-only FP8) the activations
+stay as they are on CPU and are quantized per token on GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class CompressedTensorsFP8Method(QuantMethod):
             raise UnsupportedQuantization("asymmetric FP8 weights are not supported")
         act = groups[0].get("input_activations")
         self.static_input = False
+        self.act_quant = bool(act)
         if act:
             if act.get("num_bits") != 8 or act.get("type") != "float":
                 raise UnsupportedQuantization(f"input activations {act.get('type')}{act.get('num_bits')}; "
@@ -44,7 +47,9 @@ class CompressedTensorsFP8Method(QuantMethod):
         self.weight_strategy = w["strategy"]
 
     def make_linear(self, linear: nn.Module, module_name: str) -> nn.Module:
-        return fp8_linear_like(linear, scheme="channel", static_input=self.static_input)
+        # the CPU path rounds activations through float8 too: compressed-tensors' declared semantics
+        return fp8_linear_like(linear, scheme="channel", static_input=self.static_input,
+                               cpu_act_quant=self.act_quant)
 
     def make_experts(self, moe: nn.Module, module_name: str) -> nn.Module | None:
         from tokenfab.quant.fp8_experts import FP8Experts
