@@ -1,0 +1,119 @@
+"""Process groups for tensor parallelism on ``torch.distributed`` (NCCL on CUDA, gloo on CPU).
+
+Ranks ``[k*tp, (k+1)*tp)`` form tensor-parallel group k (consecutive ranks: one node's GPUs when tp
+fits a node); ranks with the same ``rank % tp`` form a data-parallel group. Nothing here starts
+processes: ``torchrun`` (its env:// rendezvous) or a spawner calls ``init_distributed`` first.
+Without initialization everything is the single-process identity (rank 0 of 1, collectives no-ops),
+so layers written against this module run unchanged in one process.
+
+``CommCounter`` records the collectives the parallel layers issue (kind and payload bytes), so the
+communication volume that ``tokenfab plan`` assumes can be checked against what a run sends.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCounter:
+    calls: list[tuple[str, int]] = field(default_factory=list)  # (kind, payload bytes per rank)
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        self.calls.append((kind, t.numel() * t.element_size()))
+
+    def total(self, kind: str | None = None) -> int:
+        return sum(b for k, b in self.calls if kind is None or k == kind)
+
+
+@dataclass
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    counter: CommCounter | None = None
+
+
+_state = ParallelState()
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None, init_method: str = "env://",
+                     backend: str | None = None) -> None:
+    """Join the default process group (rank/world size from torchrun's environment when not given)."""
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+def init_parallel(tp_size: int) -> ParallelState:
+    """Create the TP and DP groups (every rank must call this, in the same order) and make them current."""
+    global _state
+    if not dist.is_initialized():
+        if tp_size != 1:
+            raise RuntimeError("tensor parallelism needs torch.distributed: call init_distributed first")
+        _state = ParallelState()
+        return _state
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} must divide the world size {world}")
+    dp_size = world // tp_size
+    tp_group = dp_group = None
+    for k in range(dp_size):  # new_group is collective: all ranks create every group
+        g = dist.new_group(list(range(k * tp_size, (k + 1) * tp_size)))
+        if rank // tp_size == k:
+            tp_group = g
+    for j in range(tp_size):
+        g = dist.new_group(list(range(j, world, tp_size)))
+        if rank % tp_size == j:
+            dp_group = g
+    _state = ParallelState(rank % tp_size, tp_size, tp_group, rank // tp_size, dp_size, dp_group)
+    return _state
+
+
+def get_parallel_state() -> ParallelState:
+    return _state
+
+
+def destroy_parallel() -> None:
+    """Back to the single-process state and leave the default group (if any)."""
+    global _state
+    _state = ParallelState()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_comm_counter(counter: CommCounter | None) -> None:
+    _state.counter = counter
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP group, in place; the identity at TP 1."""
+    s = _state
+    if s.tp_size == 1:
+        return x
+    if s.counter is not None:
+        s.counter.add("all_reduce", x)
+    dist.all_reduce(x, group=s.tp_group)
+    return x
+
+
+def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every TP rank's ``x`` along the last dim (rank order)."""
+    s = _state
+    if s.tp_size == 1:
+        return x
+    if s.counter is not None:
+        s.counter.add("all_gather", x)
+    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=s.tp_group)
+    return torch.cat(parts, dim=-1)
