@@ -199,9 +199,12 @@ class SpecDecoder:
         for s, d, res in zip(seqs, drafts, results):
             if isinstance(res, str):
                 continue
-            # accepted drafts: the emitted tokens before the last that equal the drafts
-            m = len(res) - 1 if res[:-1] == d[: len(res) - 1] else 0
-            rejected = 1 if m < len(d) and len(res) == m + 1 else 0
+            # accepted drafts: the common prefix of the emitted tokens and the drafts (the emitted run
+            # may end on an accepted draft: cut at EOS); a rejection when a token differs from its draft
+            m = 0
+            while m < min(len(res), len(d)) and res[m] == d[m]:
+                m += 1
+            rejected = 1 if m < min(len(res), len(d)) else 0
             a, n = self._acc.get(s.request_id, (0.0, 0.0))
             self._acc[s.request_id] = (a * _DECAY + m, n * _DECAY + m + rejected)
             self.num_draft_tokens += len(d)
