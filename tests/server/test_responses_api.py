@@ -221,6 +221,19 @@ def test_text_format_json_schema(client: openai.OpenAI, served: Any) -> None:
     assert e.value.body["param"] == "text.format"
 
 
+def test_parse_helper_with_a_pydantic_format(client: openai.OpenAI, served: Any) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Color(BaseModel):
+        color: Literal["red", "blue", "yellow"]
+
+    r = client.responses.parse(model=served.model, input=QUESTION, text_format=Color, max_output_tokens=40,
+                               temperature=0.0)
+    assert isinstance(r.output_parsed, Color)
+
+
 def test_cli_flags_are_checked() -> None:
     import argparse
 
@@ -445,6 +458,27 @@ def test_fuzzed_items_never_5xx() -> None:
 
 
 # ---- units ----
+def test_conversation_from_items_leaves_the_stored_history_alone() -> None:
+    from tokenfab.server.responses_api import conversation
+    from tokenfab.server.responses_protocol import ResponsesRequest
+
+    call = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    body = ResponsesRequest.model_validate({"input": [
+        {"type": "function_call", "call_id": "call_b", "name": "g", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "call_a", "output": "A"},
+        {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "B"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"role": "developer", "content": [{"type": "input_text", "text": "d1"}, {"type": "input_text", "text": "d2"}]},
+    ]})
+    conv = conversation(body, history)
+    assert [m["role"] for m in conv] == ["user", "assistant", "tool", "tool", "developer"]
+    assert [c["id"] for c in conv[1]["tool_calls"]] == ["call_a", "call_b"]  # joined the assistant turn
+    assert (conv[2]["tool_call_id"], conv[3]["content"], conv[4]["content"]) == ("call_a", "B", "d1\nd2")
+    assert history[1]["tool_calls"] == [call]  # not mutated
+
+
+
 def test_store_lru_ttl_and_bytes() -> None:
     now = [0.0]
     store = ResponseStore(max_entries=2, ttl=10.0, max_bytes=10_000, clock=lambda: now[0])

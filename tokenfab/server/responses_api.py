@@ -100,7 +100,7 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = conv[-1] if conv else None
             if last is not None and last["role"] == "assistant":  # calls join the assistant turn they belong to
-                last.setdefault("tool_calls", []).append(call)
+                last["tool_calls"] = [*last.get("tool_calls", ()), call]  # a new list: history stays as stored
             else:
                 conv.append({"role": "assistant", "content": "", "tool_calls": [call]})
             known_calls.add(item.call_id)
