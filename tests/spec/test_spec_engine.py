@@ -310,3 +310,21 @@ def test_ngram_incremental_index_matches_fresh():
         assert inc.propose(s, 4) == NgramProposer(2, 4).propose(seq_of(list(s.token_ids), "fresh"), 4)
     inc.release("r")
     assert "r" not in inc._index
+
+
+# ---- server: the per-request key and /metrics ---------------------------------------------------
+def test_server_extra_body_and_metrics():
+    from tokenfab.engine.llm_engine import EngineStats
+    from tokenfab.server.metrics import ServerMetrics
+    from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest.model_validate({"prompt": "hi", "speculative": False})
+    assert body.speculative is False
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]}).speculative
+    stats = EngineStats(*([0] * 15), spec_draft_tokens_total=40, spec_accepted_tokens_total=30,
+                        spec_acceptance_rate=0.75, spec_mean_accepted_length=2.5, spec_verify_seconds_total=1.5)
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'tokenfab_spec_decode_acceptance_rate{model_name="m"} 0.75' in text
+    assert 'tokenfab_spec_decode_mean_accepted_length{model_name="m"} 2.5' in text
+    assert 'tokenfab_spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
+    assert "tokenfab_spec_decode_verify_seconds_total" in text and "tokenfab_spec_decode_draft_seconds" in text

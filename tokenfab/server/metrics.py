@@ -69,6 +69,15 @@ class _EngineCollector(Collector):
         yield gauge("last_step_num_seqs", "Sequences in the latest step's batch.", get("last_step_num_seqs"))
         yield gauge("last_step_prefill_tokens", "Prompt tokens in the latest step.", get("last_step_prefill_tokens"))
         yield gauge("last_step_decode_tokens", "Decode tokens in the latest step.", get("last_step_decode_tokens"))
+        # speculative decoding (all 0 when off)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", get("spec_draft_tokens_total"))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", get("spec_accepted_tokens_total"))
+        yield gauge("spec_decode_acceptance_rate", "Accepted / verified draft tokens.", get("spec_acceptance_rate"))
+        yield gauge("spec_decode_mean_accepted_length", "Tokens emitted per verified sequence-step (accepted + 1).",
+                    get("spec_mean_accepted_length"))
+        yield counter("spec_decode_draft_seconds", "Time spent proposing drafts.", get("spec_draft_seconds_total"))
+        yield counter("spec_decode_verify_seconds", "Time in verify steps (forward + acceptance).",
+                      get("spec_verify_seconds_total"))
 
 
 class ServerMetrics:

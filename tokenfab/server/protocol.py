@@ -129,6 +129,7 @@ class _SamplingFields(_Request):
                                         description="vLLM extra: logprobs of the prompt tokens, with k alternatives")
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256,
                                     description="requests with different salts never share prefix-cache blocks")
+    speculative: bool = Field(default=True, description="tokenfab extra: false opts out of speculative decoding")
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None

@@ -194,6 +194,7 @@ class OpenAIServer:
                 logit_bias=body.logit_bias_ids(),
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
+                speculative=body.speculative,
                 constraint=constraint,
             )
         except ValueError as e:
