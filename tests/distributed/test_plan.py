@@ -187,7 +187,7 @@ def test_kv_boundary_one_sequence(tmp_path):
     base = plan_model(spec, request(1, "h100", context=4096)).layouts[0]
     fixed = (base.weights_gib + base.activation_gib) * 2**30
     per_seq = base.kv_bytes_per_token * 4096
-    gpu_bytes = 80e9
+    gpu_bytes = get_gpu("h100").memory_bytes
     just_one = plan_model(spec, request(1, "h100", context=4096, gpu_memory_utilization=(fixed + 1.5 * per_seq)
                                         / gpu_bytes))
     assert [p.max_concurrent_seqs for p in just_one.layouts] == [1]

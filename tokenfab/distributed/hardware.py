@@ -19,6 +19,9 @@ Sources (as published by NVIDIA):
   (64 GB/s bidirectional), no NVLink. No reference design fixes its network: the default of two
   200 Gb/s NICs per 8-GPU node is an assumption; pass ``--interconnect`` for the real one.
 
+Memory is the total nvidia-smi reports on these boards (MiB), which the engine's
+``--gpu-memory-utilization`` fraction applies to.
+
 Latencies (one fixed cost per collective call) are rough assumptions, not datasheet figures:
 5 us over NVLink, 10 us over PCIe, 15 us across nodes.
 """
@@ -36,7 +39,7 @@ class PlanInputError(ValueError):
 @dataclass(frozen=True)
 class GpuSpec:
     name: str
-    memory_gb: float         # GB (1e9 bytes) of device memory
+    memory_mib: int          # device memory as nvidia-smi reports it (the datasheet "80 GB" is 81559 MiB)
     hbm_gbps: float          # GB/s memory bandwidth
     bf16_tflops: float       # dense matrix peak
     fp8_tflops: float | None  # dense FP8 matrix peak; None: no FP8 tensor cores
@@ -46,15 +49,15 @@ class GpuSpec:
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+        return self.memory_mib * float(1 << 20)
 
 
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 SXM5 80GB", 80, 3350, 989, 1979, 8, "nvlink4,ib400", "H100 datasheet; DGX H100"),
-    "h200": GpuSpec("H200 SXM 141GB", 141, 4800, 989, 1979, 8, "nvlink4,ib400", "H200 datasheet; HGX H200"),
-    "a100": GpuSpec("A100 SXM4 80GB", 80, 2039, 312, None, 8, "nvlink3,ib200", "A100 datasheet; DGX A100"),
-    "b200": GpuSpec("B200 180GB", 180, 8000, 2250, 4500, 8, "nvlink5,ib400", "HGX/DGX B200 datasheets"),
-    "l40s": GpuSpec("L40S 48GB", 48, 864, 362, 733, 8, "pcie4,ib200x2", "L40S datasheet; network assumed"),
+    "h100": GpuSpec("H100 SXM5 80GB", 81559, 3350, 989, 1979, 8, "nvlink4,ib400", "H100 datasheet; DGX H100"),
+    "h200": GpuSpec("H200 SXM 141GB", 143771, 4800, 989, 1979, 8, "nvlink4,ib400", "H200 datasheet; HGX H200"),
+    "a100": GpuSpec("A100 SXM4 80GB", 81920, 2039, 312, None, 8, "nvlink3,ib200", "A100 datasheet; DGX A100"),
+    "b200": GpuSpec("B200 180GB", 183359, 8000, 2250, 4500, 8, "nvlink5,ib400", "HGX/DGX B200 datasheets"),
+    "l40s": GpuSpec("L40S 48GB", 46068, 864, 362, 733, 8, "pcie4,ib200x2", "L40S datasheet; network assumed"),
 }
 
 # intra-node links: (per-direction GB/s per GPU, latency in seconds)
