@@ -114,7 +114,7 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.retrieve(first.id)
     assert e.value.status_code == 404
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's status and code for it
         client.responses.create(model=served.model, input="x", previous_response_id=first.id, max_output_tokens=2)
     assert e.value.body["code"] == "previous_response_not_found"
     assert e.value.body["param"] == "previous_response_id"
@@ -260,7 +260,7 @@ def test_malformed_bodies_over_http() -> None:
                      400, "text.format.schema")
         assert_error(c.post("/v1/responses", content=b"{not json", headers={"Content-Type": "application/json"}),
                      400)
-        err = assert_error(c.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_0"}), 404,
+        err = assert_error(c.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_0"}), 400,
                            "previous_response_id")
         assert err["code"] == "previous_response_not_found"
         assert_error(c.get("/v1/responses/resp_0"), 404)
@@ -279,6 +279,16 @@ def test_store_bound_and_store_false_over_http() -> None:
         assert c.get(f"/v1/responses/{b['id']}").status_code == 200  # not pushed out by an unstored response
         r = c.post("/v1/responses", json={"input": "c", "max_output_tokens": 2, "previous_response_id": b["id"]})
         assert r.status_code == 200 and r.json()["usage"]["input_tokens"] > b["usage"]["input_tokens"]
+
+
+def test_expired_previous_response_over_http() -> None:
+    with fake_server(ServerConfig(drain_timeout=1, responses_ttl=0.2)) as (c, _):
+        a = c.post("/v1/responses", json={"input": "a", "max_output_tokens": 2}).json()
+        time.sleep(0.3)  # past its expiry (monotonic clock)
+        err = assert_error(c.post("/v1/responses", json={"input": "b", "previous_response_id": a["id"]}), 400,
+                           "previous_response_id")
+        assert err["code"] == "previous_response_not_found"
+        assert_error(c.get(f"/v1/responses/{a['id']}"), 404)
 
 
 class ScriptedEngine(FakeEngine):

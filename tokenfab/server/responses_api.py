@@ -9,7 +9,8 @@ pieces: ``chat_tools.check_request`` (tools, tool_choice), the chat template wit
 ``message`` (output_text), ``function_call`` (call_id, name, arguments); streaming is ``responses_stream.py``.
 
 Stored responses (``store``, the default) keep the conversation (without instructions, as OpenAI does) in
-``ResponseStore``; an unknown or expired ``previous_response_id`` is a 404 ``previous_response_not_found``.
+``ResponseStore``; an unknown or expired ``previous_response_id`` is a 400 ``previous_response_not_found`` (as
+OpenAI answers it), an unknown id in ``GET``/``DELETE /v1/responses/{id}`` a 404.
 """
 
 from __future__ import annotations
@@ -161,11 +162,14 @@ class ResponsesAPI:
         self.server = server
         self.store = store
 
-    def _stored(self, response_id: str, param: str | None, code: str | None) -> Any:
+    def _stored(self, response_id: str, param: str, code: str) -> Any:
+        """The stored entry. Unknown or expired: OpenAI's answers, a 400 for ``previous_response_id`` (the request
+        is invalid), a 404 for ``GET``/``DELETE`` of the resource."""
         entry = self.store.get(response_id)
         if entry is None:
-            what = "Previous response" if param == "previous_response_id" else "Response"
-            raise APIError(404, f"{what} with id '{response_id}' not found.", param=param, code=code,
+            if param == "previous_response_id":
+                raise APIError(400, f"Previous response with id '{response_id}' not found.", param=param, code=code)
+            raise APIError(404, f"Response with id '{response_id}' not found.", param=param, code=code,
                            type="invalid_request_error")
         return entry
 
@@ -309,7 +313,7 @@ def add_routes(app: FastAPI, server: OpenAIServer, store: ResponseStore, auth: t
 
     @app.post("/v1/responses", response_model=None,
               responses={**sse_or_json(ResponseObject, "The response"),
-                         **error_responses(400, *auth, 404, 413, 429, 500, 503)})
+                         **error_responses(400, *auth, 413, 429, 500, 503)})
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await api.create(body, request)
 
