@@ -184,3 +184,53 @@ def test_comm_volume_matches_plan(results, tmp_path):
     tp2 = next(p for p in plan.layouts if p.tp == TP)
     assert tp2.decode_batch == TOKENS
     assert tp2.decode_comm_bytes_per_token == pytest.approx(sent / TOKENS, rel=1e-12)
+
+
+def _worker4(rank: int, port: int, tp: int, out_dir: str) -> None:
+    """World of 4: TP groups of ``tp`` consecutive ranks; checks the groups and a QKV/row pair."""
+    torch.set_num_threads(1)
+    ps.init_distributed(rank, 4, init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    state = ps.init_parallel(tp)
+    try:
+        summed = ps.tp_all_reduce(torch.tensor([float(rank)]))  # the sum of this TP group's ranks
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(TOKENS, H, generator=g)
+        q, k, v = (torch.randn(n * HEAD_DIM, H, generator=g) for n in (HEADS, 2, 2))
+        qkv = QKVParallelLinear(H, HEAD_DIM, HEADS, 2)  # TP 4 > 2 KV heads: ranks 0,1 hold head 0; 2,3 head 1
+        for i, t in enumerate((q, k, v)):
+            qkv.load_shard(i, t)
+        lq, lk, _ = qkv(x).split(qkv.local_sizes, dim=-1)
+        hq = HEADS // tp
+        kv_head = state.tp_rank * hq // (HEADS // 2)
+        o_w = torch.randn(H, HEADS * HEAD_DIM, generator=g)
+        o = RowParallelLinear(HEADS * HEAD_DIM, H)
+        o.load_full(o_w)
+        full_q = F.linear(x, q)
+        result = {
+            "group_sum": summed.item(), "tp_rank": state.tp_rank, "dp_rank": state.dp_rank,
+            "kv_head": kv_head, "qkv": _exact(lq, full_q[:, state.tp_rank * hq * HEAD_DIM:][:, : hq * HEAD_DIM])
+            and _exact(lk, F.linear(x, k[kv_head * HEAD_DIM : (kv_head + 1) * HEAD_DIM])),
+            "row": _close(o(lq), F.linear(full_q, o_w)),
+        }
+    finally:
+        ps.destroy_parallel()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_four_processes(tmp_path, tp):
+    """4 gloo processes (slow: four interpreters on a 2-core machine): TP2 x DP2 and TP4 groups."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker4, args=(port, tp, str(tmp_path)), nprocs=4, join=True)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, r in enumerate(res):
+        group = range(rank // tp * tp, rank // tp * tp + tp)
+        assert r["group_sum"] == sum(group)
+        assert (r["tp_rank"], r["dp_rank"]) == (rank % tp, rank // tp)
+        assert r["qkv"] is True and r["row"] is True, r
+    if tp == 4:
+        assert [r["kv_head"] for r in res] == [0, 0, 1, 1]

@@ -291,7 +291,10 @@ def plan_model(spec: ModelSpec, req: PlanRequest) -> Plan:
                "kv_bytes_per_token": spec.attention.cache_values_per_layer() * spec.num_layers * kv_bytes,
                "experts": spec.num_experts, "experts_per_token": spec.experts_per_token},
         hardware={"gpu": gpu.name, "gpus": req.gpus, "gpus_per_node": gpu.gpus_per_node,
-                  "interconnect": net.describe(), "context": req.context, "source": gpu.source},
+                  "interconnect": net.describe(), "context": req.context, "source": gpu.source,
+                  "gpu_memory_utilization": req.gpu_memory_utilization, "max_num_seqs": req.max_num_seqs,
+                  "prefill_tokens": req.prefill_tokens, "redundant_experts": req.redundant_experts,
+                  "gpu_hour_price": req.gpu_hour_price},
     )
     fp8_dispatch = scheme.compute == "fp8" and gpu.fp8_tflops is not None
     usable = gpu.memory_bytes * req.gpu_memory_utilization
