@@ -267,6 +267,20 @@ def test_malformed_bodies_over_http() -> None:
         assert_error(c.delete("/v1/responses/resp_0"), 404)
 
 
+def test_openapi_documents_the_routes() -> None:
+    with fake_server() as (c, _):
+        doc = c.get("/openapi.json").json()
+    post = doc["paths"]["/v1/responses"]["post"]
+    assert post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponseObject")
+    assert "text/event-stream" in post["responses"]["200"]["content"]
+    assert {"400", "413", "429", "500", "503"} <= set(post["responses"]) and "422" not in post["responses"]
+    for method in ("get", "delete"):
+        assert "404" in doc["paths"]["/v1/responses/{response_id}"][method]["responses"]
+    request = doc["components"]["schemas"]["ResponsesRequest"]
+    assert request["additionalProperties"] is False
+    assert request["properties"]["model"]["anyOf"][0]["enum"] == ["fake-model"]
+
+
 def test_store_bound_and_store_false_over_http() -> None:
     with fake_server(ServerConfig(drain_timeout=1, responses_store_size=1)) as (c, _):
         a = c.post("/v1/responses", json={"input": "a", "max_output_tokens": 2}).json()
