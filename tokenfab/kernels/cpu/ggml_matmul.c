@@ -23,6 +23,19 @@ AI vf v_set1(float f) { return _mm512_set1_ps(f); }
 AI vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 AI vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 AI float v_sum(vf v) { return _mm512_reduce_add_ps(v); }
+#define PIN(x) __asm__("" : "+v"(x))
+/* the 16 lanes summed as halves, in a fixed order (PIN: no reassociation) */
+AI float v_sum_pinned(vf v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    PIN(h);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    PIN(q);
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    PIN(q);
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    PIN(q);
+    return _mm_cvtss_f32(q);
+}
 /* one block -> 32 floats in w[0..1] */
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
     if (qt == GF32) { /* float32 weights: 32 of them, as they are */
@@ -68,6 +81,16 @@ AI float v_sum(vf v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+#define PIN(x) __asm__("" : "+x"(x))
+AI float v_sum_pinned(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    PIN(s);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    PIN(s);
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    PIN(s);
+    return _mm_cvtss_f32(s);
+}
 AI vf cvt8(__m128i bytes8, int sgn) { /* the low 8 bytes, widened to floats */
     return _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
@@ -98,6 +121,12 @@ AI vf v_set1(float f) { return f; }
 AI vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 AI vf v_add(vf a, vf b) { return a + b; }
 AI float v_sum(vf v) { return v; }
+#if defined(__x86_64__)
+#define PIN(x) __asm__("" : "+x"(x))
+#else
+#define PIN(x) __asm__("" : "+g"(x))
+#endif
+AI float v_sum_pinned(vf v) { return v; }
 AI void deq_block(int qt, const uint8_t *b, vf *w) {
     if (qt == GF32) { /* float32 weights: 32 of them, as they are */
         for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
@@ -120,17 +149,22 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
 
 /* ---------- f32 activations, few rows: stream each weight row once per tile ---------- */
 
-/* A row's accumulators (a, and b when two sets) summed in one fixed order. Not inlined and not
- * fast-math: -ffast-math may reassociate these adds differently in each (qtype, tile rows) copy of
- * gemv_row, and a row would then round differently in a tile of 2 rows than in a tile of 4 (it did,
- * for float32 weights). One call per output element, against K / 32 blocks of FMAs. */
-static __attribute__((noinline, optimize("no-fast-math", "fp-contract=off"))) float row_total(const vf *a,
-                                                                                              const vf *b) {
+/* A row's accumulators (a, and b when two sets) summed in one fixed order. Each partial sum passes
+ * an empty asm (PIN), which the compiler must treat as an unknown change of the value, so
+ * -ffast-math cannot reassociate the adds: it did, differently in each (qtype, tile rows) copy of
+ * gemv_row, and a float32 row rounded differently in a tile of 2 rows than in a tile of 4. */
+AI float row_total(const vf *a, const vf *b) {
     vf s = a[0];
-    for (int v = 1; v < NV; v++) s = v_add(s, a[v]);
+    for (int v = 1; v < NV; v++) {
+        s = v_add(s, a[v]);
+        PIN(s);
+    }
     if (b)
-        for (int v = 0; v < NV; v++) s = v_add(s, b[v]);
-    return v_sum(s);
+        for (int v = 0; v < NV; v++) {
+            s = v_add(s, b[v]);
+            PIN(s);
+        }
+    return v_sum_pinned(s);
 }
 
 /* res[m * N] = dot(x row m, dequant(weight row)) for the mt rows of one tile */
