@@ -118,6 +118,18 @@ def test_k0_sampled_equals_plain_sampler():
 # ---------------------------------------------------------------- sampled: the distribution
 
 
+def test_target_probs_equal_the_sampler_filter():
+    from tokenfab.kernels.sampling import filter_probs_ref
+    from tokenfab.spec.accept import _filters, _target_probs
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.5, 20, 1.0, 0.0), (1.5, 0, 0.9, 0.0), (0.8, 0, 1.0, 0.2),
+                                 (1.0, 400, 1.0, 0.05), (0.9, 10, 0.8, 0.1)]]
+    want = filter_probs_ref(logits, *_filters(params, 300, logits.device))
+    torch.testing.assert_close(_target_probs(logits, params, 300), want, atol=1e-7, rtol=1e-5)
+
+
 def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson's chi-square goodness of fit; cells of probability 0 must be empty (else p = 0)."""
     n = counts.sum()
@@ -151,6 +163,7 @@ SETTINGS = [
     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.0),
     dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.1),
+    dict(temperature=1.2, top_k=0, top_p=1.0, min_p=0.15),  # no sort needed: the softmax path
 ]
 
 
@@ -247,8 +260,9 @@ def test_first_two_tokens_joint_distribution(settings):
 
 def test_a_request_draws_the_same_alone_and_batched():
     g = torch.Generator().manual_seed(3)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=100)
-    seqs = [_seq(params, seed=i, out=[1] * i) for i in range(6)]
+    kinds = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=100), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.7, min_p=0.05, max_tokens=100)]
+    seqs = [_seq(kinds[i % 3], seed=i, out=[1] * i) for i in range(6)]
     drafts = [[int(t) for t in torch.randint(0, V, (i % 4,), generator=g)] for i in range(6)]
     rows = sum(len(d) + 1 for d in drafts)
     logits = torch.randn(rows, V, generator=g)

@@ -24,8 +24,8 @@ next step starts after it), so no uniform is ever used for two decisions:
 - stream 0 (the plain sampler's own seed): the bonus token, drawn by ``kernels.sample`` itself, so
   with k = 0 this module emits exactly the token a plain decode step would;
 - stream ``ACCEPT_STREAM``: the uniform u of the accept test;
-- stream ``RESIDUAL_STREAM``: the exponential race over max(p - q, 0) after a rejection (the race
-  argmax((p - q)+ / E) needs no normalisation; see ``kernels/sampling.py``).
+- stream ``RESIDUAL_STREAM``: the one uniform of the draw from max(p - q, 0) after a rejection
+  (inverse CDF: the first token whose cumulative residual mass exceeds u times the total).
 A draft model that samples its drafts must draw them independently of these, e.g. from
 ``substream_seed(step_seed(base_seed, n + j), DRAFT_STREAM)``.
 
@@ -100,6 +100,32 @@ def _filters(params: list, v: int, dev: torch.device) -> tuple[torch.Tensor, ...
     )
 
 
+def _target_probs(logits: torch.Tensor, params: list, v: int) -> torch.Tensor:
+    """The plain sampler's filtered distribution per row (``filter_probs_ref``'s math). Rows with
+    neither top-k nor top-p need no sort: softmax(logits / T), then min-p (keep p >= min_p * max p),
+    renormalised, which is what ``filter_probs_ref`` computes for them."""
+    def sorted_filters(x) -> bool:
+        return 0 < x.top_k < v or x.top_p < 1.0
+
+    slow = [i for i, x in enumerate(params) if sorted_filters(x)]
+    fast = [i for i, x in enumerate(params) if not sorted_filters(x)]
+    dev = logits.device
+    if not fast:
+        return filter_probs_ref(logits, *_filters(params, v, dev))
+    t, _, _, min_p = _filters([params[i] for i in fast], v, dev)
+    f = torch.tensor(fast, device=dev)
+    probs = torch.softmax(logits[f].float() / t[:, None], dim=-1)
+    probs = probs * (probs >= min_p.clamp(0.0, 1.0)[:, None] * probs.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    if not slow:
+        return probs
+    out = torch.empty(logits.shape, dtype=torch.float32, device=dev)
+    out[f] = probs
+    sl = torch.tensor(slow, device=dev)
+    out[sl] = filter_probs_ref(logits[sl], *_filters([params[i] for i in slow], v, dev))
+    return out
+
+
 def _seeds(seeds: list[int], rows: list[int], stream: int, dev: torch.device) -> torch.Tensor:
     return torch.tensor([substream_seed(seeds[i], stream) for i in rows], dtype=torch.int64, device=dev)
 
@@ -153,7 +179,7 @@ def accept_tokens(
     if sampled_draft:
         # draft rows: the accept test and the residual draw, all rows at once
         idx = torch.tensor(sampled_draft, device=dev)
-        p = filter_probs_ref(target_logits[idx], *_filters([params[i] for i in sampled_draft], v, dev))
+        p = _target_probs(target_logits[idx], [params[i] for i in sampled_draft], v)
         d = draft_t[idx]
         if draft_probs is None:
             q = torch.zeros_like(p).scatter_(1, d[:, None], 1.0)
@@ -167,8 +193,11 @@ def accept_tokens(
         residual = (p - q).clamp(min=0.0)
         # p == q up to rounding leaves no mass; a rejection then has probability ~0: fall back to p
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        e = -torch.log(hash_uniform(_seeds(seeds, sampled_draft, RESIDUAL_STREAM, dev), v))
-        token[idx] = (residual / e).argmax(-1)
+        # inverse CDF with one uniform: the first token whose cumulative mass exceeds u' * total
+        # (a zero-mass token never is); one pass over V instead of V hashed uniforms
+        cdf = residual.cumsum(-1)
+        u2 = hash_uniform(_seeds(seeds, sampled_draft, RESIDUAL_STREAM, dev), 1)
+        token[idx] = torch.searchsorted(cdf, u2 * cdf[:, -1:], right=True).squeeze(1).clamp(max=v - 1)
 
     # per sequence: m = the first row that is not accepted (the bonus row never is)
     pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
