@@ -222,7 +222,7 @@ def _q1(x0: int) -> np.ndarray:
     return np.roll(Q0, 3 * x0)
 
 
-def _first_two(settings: dict, n: int, seed: int) -> np.ndarray:
+def _first_two(settings: dict, n: int, seed: int, point_mass: bool = False) -> np.ndarray:
     """Per request: the first two emitted tokens, over as many steps as it takes (k = 2, then k = 1
     from the context the first step left), drafts drawn from the known q by their own generator."""
     rng = np.random.default_rng(seed)
@@ -233,24 +233,27 @@ def _first_two(settings: dict, n: int, seed: int) -> np.ndarray:
     rows = np.stack([r for a, b in zip(d0, d1) for r in (T_LOGITS, _l1(a), _l2(a, b))])
     qs = np.stack([r for a in d0 for r in (Q0, _q1(a))])
     out = accept_tokens(torch.tensor(rows, dtype=torch.float32), seqs, [[int(a), int(b)] for a, b in zip(d0, d1)],
-                        eos_ids=[], draft_probs=torch.tensor(qs, dtype=torch.float32))
+                        eos_ids=[], draft_probs=None if point_mass else torch.tensor(qs, dtype=torch.float32))
     short = [i for i, o in enumerate(out) if len(o) == 1]
     for i in short:
         seqs[i].token_ids.append(out[i][0])
     d = [int(rng.choice(V, p=_q1(out[i][0]))) for i in short]
     rows2 = np.stack([r for i, b in zip(short, d) for r in (_l1(out[i][0]), _l2(out[i][0], b))])
     out2 = accept_tokens(torch.tensor(rows2, dtype=torch.float32), [seqs[i] for i in short], [[b] for b in d],
-                         eos_ids=[], draft_probs=torch.tensor(np.stack([_q1(out[i][0]) for i in short]),
-                                                              dtype=torch.float32))
+                         eos_ids=[], draft_probs=None if point_mass else torch.tensor(
+                             np.stack([_q1(out[i][0]) for i in short]), dtype=torch.float32))
     for i, o in zip(short, out2):
         out[i] = out[i] + o
     return np.array([o[:2] for o in out]), np.stack([d0, d1], 1)
 
 
-@pytest.mark.parametrize("settings", [SETTINGS[0], dict(temperature=0.8, top_k=5, top_p=0.95, min_p=0.0)])
-def test_first_two_tokens_joint_distribution(settings):
+@pytest.mark.parametrize("settings,point_mass", [(SETTINGS[0], False),
+                                                 (dict(temperature=0.8, top_k=5, top_p=0.95, min_p=0.0), False),
+                                                 (dict(temperature=0.8, top_k=5, top_p=0.95, min_p=0.0), True)])
+def test_first_two_tokens_joint_distribution(settings, point_mass):
+    """k = 2 with the draft's q (draft model) or as point masses (n-gram/suffix drafts)."""
     n = 30000
-    pairs, drafted = _first_two(settings, n, seed=11)
+    pairs, drafted = _first_two(settings, n, seed=11, point_mass=point_mass)
     p0 = filtered_distribution(T_LOGITS, **settings)
     joint = np.stack([p0[a] * filtered_distribution(_l1(a), **settings) for a in range(V)]).reshape(-1)
     assert _chi2_pvalue(np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V), joint) > ALPHA
