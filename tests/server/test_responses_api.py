@@ -418,6 +418,12 @@ def test_disconnect_aborts_the_request() -> None:
             time.sleep(0.05)
         assert not fake.has_unfinished_requests(), "the request kept generating after the client left"
         assert fake.steps < 2000
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=server.url, timeout=0.5) as c:
+            c.post("/v1/responses", json={**payload, "stream": False})  # not streamed: gone while it waits
+        deadline = time.monotonic() + 10
+        while fake.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not fake.has_unfinished_requests(), "the non-streamed request kept generating"
     finally:
         server.stop()
 
