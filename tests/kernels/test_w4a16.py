@@ -135,3 +135,45 @@ def test_per_row_global_scale(device, gen):
     torch.testing.assert_close(want, split)
     got = w4a16._w4a16_gemm_triton(x.to(device), q.to(device), s.to(device), gs.to(device), None, "nvfp4", 64)
     assert_close(got, want.to(device))
+
+
+# ----------------------------------------------------------------------------- the C kernel (CPU)
+
+
+@pytest.mark.parametrize("codec", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", CASES)
+def test_native_matches_reference(codec, dtype, m, n, k, gen):
+    from tokenfab.kernels.cpu import native_library
+    from tokenfab.kernels.cpu.w4a16 import w4a16_native
+
+    if native_library() is None:
+        pytest.skip("no C compiler: the reference is the CPU path")
+    q, s, gs = make_weight(codec, n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    got = w4a16_native(x, as_bytes(q), s, gs, bias, codec, k)
+    assert_close(got, w4a16_gemm_ref(x, as_bytes(q), s, gs, bias, codec, k))
+
+
+def test_native_odd_k(gen):
+    """NVFP4 rows of odd K (the last byte's high nibble unused)."""
+    from tokenfab.kernels.cpu import native_library
+    from tokenfab.kernels.cpu.w4a16 import w4a16_native
+
+    if native_library() is None:
+        pytest.skip("no C compiler: the reference is the CPU path")
+    q, s, gs = make_weight("nvfp4", 8, 81, gen)
+    x = torch.randn(2, 81, generator=gen)
+    assert_close(w4a16_native(x, q, s, gs, None, "nvfp4", 81), w4a16_gemm_ref(x, q, s, gs, None, "nvfp4", 81))
+
+
+def test_native_declines_what_it_cannot_take(gen, monkeypatch):
+    from tokenfab.kernels.cpu.w4a16 import w4a16_native
+
+    q, s, _ = make_weight("int4", 16, 64, gen)
+    x = torch.randn(2, 64, generator=gen)
+    assert w4a16_native(x.half(), as_bytes(q), s, None, None, "int4", 64) is None  # fp16 activations
+    assert w4a16_native(x, as_bytes(q), s[:, :1], None, None, "int4", 64) is None  # bad scales: ref raises
+    monkeypatch.setenv("TOKENFAB_CPU_NATIVE", "0")
+    assert w4a16_native(x, as_bytes(q), s, None, None, "int4", 64) is None

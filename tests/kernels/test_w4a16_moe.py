@@ -104,3 +104,19 @@ def test_opcheck_fake_impls(gen):
     tw, ids = routing(3, 4, 2, gen)
     torch.library.opcheck(torch.ops.tokenfab.fused_experts_w4a16, (x, q13, s13, q2, s2, tw, ids),
                           {"codec": "mxfp4"}, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("codec", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_path_matches_reference(codec, dtype, gen):
+    from tokenfab.kernels.cpu import native_library
+
+    if native_library() is None:
+        pytest.skip("no C compiler: the reference is the CPU path")
+    t, e, k, h, i = 9, 6, 2, 96, 64
+    (q13, s13, g13), (q2, s2, g2) = make_experts(codec, e, h, i, gen)
+    x = (torch.randn(t, h, generator=gen) * 0.5).to(dtype)
+    tw, ids = routing(t, e, k, gen, skip=0)
+    b13, b2 = torch.randn(e, 2 * i, generator=gen).to(dtype), torch.randn(e, h, generator=gen).to(dtype)
+    args = (x, q13, s13, q2, s2, tw, ids, b13, b2, g13, g2, codec, "swiglu_oai")
+    assert_close(moe_w4a16.fused_experts_w4a16_native(*args), moe_w4a16.fused_experts_w4a16_ref(*args))

@@ -11,8 +11,9 @@ with the expert weights in one of ``w4a16``'s codecs instead of bf16:
 
 Each program streams its expert's packed bytes and scales and decodes them with
 ``w4a16._dequant_tile`` (the dense kernel's decoder) right before ``tl.dot``. The reference loops
-over the experts that received pairs and dequantizes one expert at a time: it is the CPU path,
-so the packed experts are never expanded to a full-precision copy of the layer.
+over the experts that received pairs and dequantizes one expert at a time; the CPU path runs the
+same loop with each product through the C kernel (``kernels/cpu/w4a16.c``, one weight row decoded
+at a time), so the packed experts are never expanded to a full-precision copy of the layer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import choose, use_triton
+from tokenfab.kernels.cpu.w4a16 import w4a16_native
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
 from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_activation_ref, moe_config
 from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, check_w4, dequantize_w4
@@ -51,6 +53,46 @@ def _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g
     return t, h, e, two_i // 2
 
 
+def _dequant_linear(x, q, s, g, b, codec: str, k: int) -> torch.Tensor:
+    """x @ dequant(W).T in fp32 (W rounded to x's dtype), times the global scale, plus the bias."""
+    y = F.linear(x.float(), dequantize_w4(q, s, codec, k).to(x.dtype).float())
+    if g is not None:
+        y = y * g.float()
+    return y + b.float() if b is not None else y
+
+
+def _native_linear(x, q, s, g, b, codec: str, k: int) -> torch.Tensor:
+    """The same product through the C kernel (fp32 out, packed weights decoded a row at a time)."""
+    y = w4a16_native(x, q, s, g, b, codec, k, out_dtype=torch.float32)
+    return y if y is not None else _dequant_linear(x, q, s, g, b, codec, k)
+
+
+def _experts_loop(linear, hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias, w2_bias, w13_g, w2_g,
+                  codec, activation, swiglu_alpha, swiglu_limit) -> torch.Tensor:
+    t, h, _, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
+                            activation)
+    k = topk_ids.shape[1]
+    if t == 0:
+        return hidden.new_empty(0, h)
+    out = hidden.new_empty(t * k, h)
+    flat = topk_ids.reshape(-1).long()
+    wflat = topk_weights.reshape(-1).float()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pairs = order[start : start + c]
+        start += c
+        g13, g2, b13, b2 = (None if v is None else v[e] for v in (w13_g, w2_g, w13_bias, w2_bias))
+        gu = linear(hidden[pairs // k], w13_q[e], w13_s[e], g13, b13, codec, h)
+        act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
+        y = linear(act, w2_q[e], w2_s[e], g2, b2, codec, inter)
+        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
+    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+
+
 def fused_experts_w4a16_ref(
     hidden: torch.Tensor,
     w13_q: torch.Tensor,
@@ -71,37 +113,20 @@ def fused_experts_w4a16_ref(
     """hidden [T, H] -> [T, H]: ``fused_experts_ref`` with each expert's weights dequantized when
     it is reached (rounded to the activation dtype, as the kernel feeds the MMA); global scales and
     biases applied to the fp32 products."""
-    t, h, _, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
-                            activation)
-    k = topk_ids.shape[1]
-    if t == 0:
-        return hidden.new_empty(0, h)
-    out = hidden.new_empty(t * k, h)
-    flat = topk_ids.reshape(-1).long()
-    wflat = topk_weights.reshape(-1).float()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pairs = order[start : start + c]
-        start += c
-        w13 = dequantize_w4(w13_q[e], w13_s[e], codec, h).to(hidden.dtype).float()
-        w2 = dequantize_w4(w2_q[e], w2_s[e], codec, inter).to(hidden.dtype).float()
-        gu = F.linear(hidden[pairs // k].float(), w13)
-        if w13_g is not None:
-            gu = gu * w13_g[e].float()
-        if w13_bias is not None:
-            gu = gu + w13_bias[e].float()
-        act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
-        y = F.linear(act.float(), w2)
-        if w2_g is not None:
-            y = y * w2_g[e].float()
-        if w2_bias is not None:
-            y = y + w2_bias[e].float()
-        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
-    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+    return _experts_loop(_dequant_linear, hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias,
+                         w2_bias, w13_g, w2_g, codec, activation, swiglu_alpha, swiglu_limit)
+
+
+def fused_experts_w4a16_native(*args, **kwargs) -> torch.Tensor:
+    """The CPU path: the reference's per-expert loop with each product through the C kernel
+    (``kernels/cpu/w4a16.c``), so no expert is ever dequantized whole."""
+    return _experts_loop(_native_linear, *_bind(*args, **kwargs))
+
+
+def _bind(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias=None, w2_bias=None, w13_g=None,
+          w2_g=None, codec="int4", activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0) -> tuple:
+    return (hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias, w2_bias, w13_g, w2_g, codec,
+            activation, swiglu_alpha, swiglu_limit)
 
 
 @triton.jit
@@ -343,11 +368,9 @@ def _(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias=None, w
 
 
 def fused_experts_w4a16_eager(*args, **kwargs) -> torch.Tensor:
-    """What layers call: the custom op under ``torch.compile``, else Triton or the reference by the
-    dispatch rule (skipping the custom-op dispatcher on CPU)."""
-    hidden = args[0]
+    """What layers call: the custom op under ``torch.compile``, else by the dispatch rule Triton, the
+    C kernel per expert (CPU) or the reference (skipping the custom-op dispatcher on CPU)."""
     if torch.compiler.is_compiling():
         return fused_experts_w4a16(*args, **kwargs)
-    if use_triton(hidden):
-        return _fused_experts_w4a16_triton(*args, **kwargs)
-    return fused_experts_w4a16_ref(*args, **kwargs)
+    return choose(args[0], _fused_experts_w4a16_triton, fused_experts_w4a16_native, fused_experts_w4a16_ref,
+                  *args, **kwargs)

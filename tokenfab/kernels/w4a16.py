@@ -29,8 +29,10 @@ with group 16 map to the tcgen05 ``mxf4nvf4`` kind), so a ``BLACKWELL`` constexp
 ``_dequant_tile`` + ``tl.dot`` by ``dot_scaled`` with the same loads, strides and grid.
 
 The reference (``w4a16_gemm_ref``, same signature) dequantizes the whole layer to fp32, rounds
-it to the activation dtype like the kernel, and multiplies: it is the CPU path, which so keeps
-only the packed weights between calls (one layer's dequantized copy lives for one call).
+it to the activation dtype like the kernel, and multiplies. On CPU the C kernel
+(``kernels/cpu/w4a16.c``, float32/bfloat16 activations) decodes one weight row at a time per
+thread instead; the reference is its fallback. Either way only the packed weights live between
+calls.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import choose, use_triton
+from tokenfab.kernels.cpu.w4a16 import w4a16_native
 
 CODECS = ("int4", "mxfp4", "nvfp4")
 GROUP_SIZE = {"int4": 32, "mxfp4": 32, "nvfp4": 16}
@@ -287,10 +290,10 @@ def w4a16_linear(
     codec: str,
     in_features: int,
 ) -> torch.Tensor:
-    """The eager entry point layers call: the custom op under ``torch.compile``, else the Triton
-    kernel or the reference by the dispatch rule (skipping the custom-op dispatcher)."""
+    """The eager entry point layers call: the custom op under ``torch.compile``, else by the dispatch
+    rule the Triton kernel, the C kernel (``kernels/cpu/w4a16.c``: packed weights decoded a row at a
+    time) or the reference (skipping the custom-op dispatcher)."""
     if torch.compiler.is_compiling():
         return w4a16_gemm(x, qweight, scales, global_scale, bias, codec, in_features)
-    if use_triton(x):
-        return _w4a16_gemm_triton(x, qweight, scales, global_scale, bias, codec, in_features)
-    return w4a16_gemm_ref(x, qweight, scales, global_scale, bias, codec, in_features)
+    return choose(x, _w4a16_gemm_triton, w4a16_native, w4a16_gemm_ref, x, qweight, scales, global_scale, bias,
+                  codec, in_features)
