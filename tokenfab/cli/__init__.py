@@ -24,6 +24,7 @@ BENCH_COMMANDS = {
     "flce-memory": ("tokenfab.bench.flce_memory", "peak memory of the loss step with vs without fused linear CE"),
     "ggml": ("tokenfab.bench.ggml", "packed GGUF matmul kernels (CPU) vs float32 torch, weight GB/s"),
     "train-kernels": ("tokenfab.bench.train_kernels", "RMSNorm/RoPE/SiLU training kernels fwd+bwd vs HF ops"),
+    "spec": ("tokenfab.bench.spec", "speculative decoding on vs off: tokens/s, acceptance (bundled model)"),
 }
 
 
