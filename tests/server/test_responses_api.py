@@ -108,6 +108,8 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
                                     max_output_tokens=2, temperature=0.0)
     expected += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Thanks."}]
     assert third.usage.input_tokens == _prompt_len(served, expected)
+    items = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "And another one?")]
     got = client.responses.retrieve(first.id)
     assert got.id == first.id and got.output_text == first.output_text
     client.responses.delete(first.id)
@@ -293,6 +295,28 @@ def test_store_bound_and_store_false_over_http() -> None:
         assert c.get(f"/v1/responses/{b['id']}").status_code == 200  # not pushed out by an unstored response
         r = c.post("/v1/responses", json={"input": "c", "max_output_tokens": 2, "previous_response_id": b["id"]})
         assert r.status_code == 200 and r.json()["usage"]["input_tokens"] > b["usage"]["input_tokens"]
+
+
+def test_input_items_pages() -> None:
+    with fake_server() as (c, _):
+        items = [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c1", "name": "f",
+                                                    "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                 {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]}]
+        r = c.post("/v1/responses", json={"input": items, "max_output_tokens": 2}).json()
+        url = f"/v1/responses/{r['id']}/input_items"
+        page = c.get(url).json()  # newest first by default
+        assert [i["type"] for i in page["data"]] == ["message", "function_call_output", "function_call", "message"]
+        assert page["has_more"] is False and page["first_id"] == page["data"][0]["id"]
+        asc = c.get(url, params={"order": "asc", "limit": 2}).json()
+        assert [i["type"] for i in asc["data"]] == ["message", "function_call"] and asc["has_more"] is True
+        assert asc["data"][0]["content"] == [{"type": "input_text", "text": "a"}]
+        rest = c.get(url, params={"order": "asc", "after": asc["last_id"]}).json()
+        assert [i["type"] for i in rest["data"]] == ["function_call_output", "message"] and not rest["has_more"]
+        assert len({i["id"] for i in page["data"]}) == 4
+        assert_error(c.get(url, params={"limit": 0}), 400)
+        assert_error(c.get(url, params={"after": "nope"}), 400, "after")
+        assert_error(c.get("/v1/responses/resp_0/input_items"), 404)
 
 
 def test_expired_previous_response_over_http() -> None:

@@ -21,9 +21,9 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -35,7 +35,7 @@ from tokenfab.server.errors import APIError
 from tokenfab.server.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 from tokenfab.server.reasoning import get_reasoning_parser
 from tokenfab.server.responses import error_responses, sse_or_json
-from tokenfab.server.responses_models import DeletedResponse, ResponseObject
+from tokenfab.server.responses_models import DeletedResponse, InputItemList, ResponseObject
 from tokenfab.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -46,6 +46,7 @@ from tokenfab.server.responses_protocol import (
 from tokenfab.server.responses_store import ResponseStore
 from tokenfab.server.responses_stream import (
     function_call_item,
+    item_id,
     message_item,
     reasoning_item,
     response_events,
@@ -176,6 +177,20 @@ class ResponsesAPI:
     def retrieve(self, response_id: str) -> dict[str, Any]:
         return self._stored(response_id, "response_id", "response_not_found").response
 
+    def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
+        """One page of the request's input items (OpenAI's list: newest first unless ``order`` is asc)."""
+        items = list(self._stored(response_id, "response_id", "response_not_found").input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
     def delete(self, response_id: str) -> dict[str, Any]:
         self._stored(response_id, "response_id", "response_not_found")
         self.store.delete(response_id)
@@ -278,7 +293,7 @@ class ResponsesAPI:
                       "total_tokens": num_prompt + output_tokens},
         }
         if body.store:
-            self.store.put(response["id"], response, conv + [_assistant_message(items)])
+            self.store.put(response["id"], response, conv + [_assistant_message(items)], _input_items(body))
         return response
 
 
@@ -296,6 +311,25 @@ def _output_items(message: dict[str, Any], incomplete: bool) -> list[dict[str, A
     return items
 
 
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the API lists it: every item with an id, message content as parts."""
+    if isinstance(body.input, str):
+        return [{"id": item_id("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": body.input}]}]
+    out = []
+    for item in body.input:
+        d = item.model_dump(exclude_none=True)
+        d.setdefault("id", item_id(_ITEM_PREFIX[d["type"]]))
+        if d["type"] == "message" and isinstance(d["content"], str):
+            kind = "output_text" if d["role"] == "assistant" else "input_text"
+            d["content"] = [{"type": kind, "text": d["content"]}]
+        out.append(d)
+    return out
+
+
 def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     """The output as the assistant chat message that continues the conversation (reasoning left out)."""
     content = "".join(c["text"] for it in items if it["type"] == "message" for c in it["content"])
@@ -308,7 +342,7 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def add_routes(app: FastAPI, server: OpenAIServer, store: ResponseStore, auth: tuple[int, ...]) -> ResponsesAPI:
-    """Register POST /v1/responses, GET and DELETE /v1/responses/{response_id}."""
+    """Register POST /v1/responses, GET and DELETE /v1/responses/{response_id}, GET .../input_items."""
     api = ResponsesAPI(server, store)
 
     @app.post("/v1/responses", response_model=None,
@@ -320,6 +354,12 @@ def add_routes(app: FastAPI, server: OpenAIServer, store: ResponseStore, auth: t
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=error_responses(*auth, 404))
     async def retrieve_response(response_id: str) -> dict[str, Any]:
         return api.retrieve(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
+             responses=error_responses(400, *auth, 404))
+    async def list_input_items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict[str, Any]:
+        return api.input_items(response_id, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=error_responses(*auth, 404))
     async def delete_response(response_id: str) -> dict[str, Any]:

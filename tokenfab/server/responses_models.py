@@ -104,6 +104,15 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]] = Field(description="input items (message, function_call, function_call_output, "
+                                       "reasoning), each with an id")
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"

@@ -12,7 +12,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_STORE_SIZE = 1024
@@ -26,6 +26,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation so far, as chat messages (input + output, no instructions)
     expires: float
     size: int
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as listed by the API
 
 
 class ResponseStore:
@@ -48,15 +49,17 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, response_id: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+    def put(self, response_id: str, response: dict[str, Any], messages: list[dict[str, Any]],
+            input_items: list[dict[str, Any]] | None = None) -> bool:
         """Store (replacing an entry of the same id); False if it cannot be kept (store size 0, or larger than
         the whole byte budget)."""
-        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(messages, ensure_ascii=False))
+        input_items = input_items or []
+        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (response, messages, input_items))
         self.delete(response_id)
         if self.max_entries == 0 or size > self.max_bytes:
             return False
         self._expire()
-        self._entries[response_id] = StoredResponse(response, messages, self._clock() + self.ttl, size)
+        self._entries[response_id] = StoredResponse(response, messages, self._clock() + self.ttl, size, input_items)
         self._bytes += size
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             self._pop_oldest()
