@@ -116,6 +116,15 @@ def test_ngram_greedy_identical_alone_and_batched(spec, reference):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_suffix_greedy_identical_batched(reference):
+    prompts, params, ref = reference
+    llm = LLM(num_kv_blocks=400, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    assert run(llm, prompts, params) == ref
+    assert run(llm, prompts[:4], params) == ref[:4]  # again: the global tree now holds these outputs
+    st = llm.engine.get_stats()
+    assert st.spec_verified_total > 0 and st.spec_accepted_tokens_total > 0
+
+
 def test_oracle_self_draft_accepts_everything(spec, plain):
     prompt = prompts_mixed(plain)[0]
     params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)  # 1 from prefill + 4 x (k+1)

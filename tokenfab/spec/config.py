@@ -8,7 +8,9 @@ Keys: ``method`` ("ngram" | "suffix" | "draft_model" | "eagle3" | "mtp"), ``num_
 (k, the most drafts per sequence and step), ``model`` (the draft model or head, for the methods that
 need one), ``prompt_lookup_min`` / ``prompt_lookup_max`` (n-gram lengths matched), and
 ``disable_by_batch_size`` (vLLM's name: no speculation in a step with more decoding sequences than
-this). Unknown keys and unsupported values are a ``ValueError`` naming the key.
+this), and for "suffix" vLLM's ``suffix_decoding_max_tree_depth``, ``suffix_decoding_max_spec_factor``,
+``suffix_decoding_min_token_prob``, ``suffix_decoding_max_cached_requests``. Unknown keys and
+unsupported values are a ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class SpeculativeConfig:
     # no speculation in a step with more decoding sequences than this (CPU: verifying k extra tokens
     # per sequence stops being free once the step is compute-bound; see tokenfab bench spec)
     disable_by_batch_size: int = 32
+    # suffix decoding (vLLM's names; tokenfab/spec/suffix.py)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 2.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 1000
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
