@@ -7,7 +7,6 @@ import logging
 import operator
 import secrets
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -32,41 +31,12 @@ from tokenfab.engine.sampler import sample_next
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.engine.stats import EngineStats
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
 from tokenfab.spec.config import SpeculativeConfig
 from tokenfab.tokenizer import eos_token_ids
 
 log = logging.getLogger("tokenfab")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_used_blocks: int
-    num_total_blocks: int
-    kv_cache_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    computed_prompt_tokens_total: int
-    num_preemptions_total: int
-    prefix_cache_hit_rate: float
-    num_steps: int
-    last_step_num_seqs: int
-    last_step_prefill_tokens: int
-    last_step_decode_tokens: int
-    weight_bytes_per_param: float = 0.0  # as stored (packed GGUF rows: ~0.6-1.1)
-    kv_bytes_per_token: float = 0.0
-    # speculative decoding (0 when off): drafts verified / accepted, sequence-steps that verified,
-    # accepted / drafted, tokens per verified sequence-step, seconds proposing / verifying
-    spec_draft_tokens_total: int = 0
-    spec_accepted_tokens_total: int = 0
-    spec_verified_total: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
-    spec_draft_seconds_total: float = 0.0
-    spec_verify_seconds_total: float = 0.0
 
 
 class LLMEngine:
