@@ -57,10 +57,12 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
         parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                             help="CPU: do not keep packed copies of the linear weights (MKL float32, oneDNN bfloat16)")
-        parser.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8act", "none"],
+        parser.add_argument("--quantization", default=None, choices=["gguf", "gguf-q8act", "none", "fp8", "fp8-block"],
                             help="GGUF files: gguf = keep Q8_0/Q4_0/Q4_1 weights packed (CPU, float32 "
                             "activations; the default for a quantized GGUF on CPU); gguf-q8act = packed, with "
-                            "int8 activation blocks (faster, drifts slightly); none = dequantize to --dtype")
+                            "int8 activation blocks (faster, drifts slightly); none = dequantize to --dtype. "
+                            "fp8 / fp8-block: quantize a float checkpoint's linears to FP8 at load (per-channel "
+                            "/ 128x128 block scales). Quantized checkpoints need no flag (quantization_config)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
