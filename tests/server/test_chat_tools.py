@@ -304,3 +304,60 @@ def test_auto_cut_off_call_streams_as_content() -> None:
     assert reason == sreason == "length" and msg["content"] == out
     assert not any("tool_calls" in d for d in deltas)
     assert "".join(d["content"] for d in deltas) == "Sure." + out[len("Sure. "):]  # the space before a call: dropped
+
+
+def test_strict_tools_in_auto_get_a_structural_tag_for_fixed_header_families() -> None:
+    from tokenfab.server.chat_tools import strict_tag_format
+
+    plan = ToolPlan("auto", TOOL_DICTS)  # "add" is strict, "get_weather" is not
+    fmt = strict_tag_format(plan, "hermes")
+    assert fmt is not None and fmt.triggers == ["<tool_call>"]
+    assert fmt.structures == [
+        {"begin": '<tool_call>\n{"name": "get_weather", "arguments": ', "end": "}\n</tool_call>",
+         "schema": {"type": "object"}},
+        {"begin": '<tool_call>\n{"name": "add", "arguments": ', "end": "}\n</tool_call>", "schema": ADD}]
+    assert strict_tag_format(plan, "kimi_k2") is None and strict_tag_format(plan, "glm45") is None
+    assert strict_tag_format(ToolPlan("required", TOOL_DICTS), "hermes") is None
+    assert strict_tag_format(ToolPlan("auto", [TOOL_DICTS[0]]), "hermes") is None  # no strict tool
+
+
+@pytest.mark.parametrize("family,call", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'),
+    ("deepseek_v31", '<｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜>'),
+    ("deepseek_v3",
+     '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1, "b": 2}\n```<｜tool▁call▁end｜>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}'),
+])
+def test_strict_tag_grammar_passes_text_and_valid_calls_only(family: str, call: str) -> None:
+    """The structural tag compiled by the engine's StructuredOutputCompiler (bundled tokenizer): free text and a
+    valid call are accepted; once a call starts, an unknown name or arguments off the strict schema are not."""
+    from tokenfab.engine.core_client import load_tokenizer
+    from tokenfab.engine.structured import StructuredOutputCompiler
+    from tokenfab.server.chat_tools import strict_tag_format
+    from tokenfab.server.tools import get_tool_parser
+
+    spec = strict_tag_format(ToolPlan("auto", TOOL_DICTS), family).model_dump()
+    compiler = StructuredOutputCompiler(load_tokenizer(None))
+
+    def accepts(text: str) -> bool:
+        return compiler.from_response_format(spec)._matcher.accept_string(text)
+
+    assert accepts("Let me see. " + call)
+    assert [(c.name, json.loads(c.arguments_json)) for c in get_tool_parser(family).extract(call).calls] == [
+        ("add", {"a": 1, "b": 2})]  # what the grammar allows is what the parser reads
+    assert not accepts(call.replace('"b": 2', '"b": 200'))  # maximum 99
+    assert not accepts(call.replace(', "b": 2', ""))  # "b" required
+    assert not accepts(call.replace("add", "sub"))  # not a tool
+    loose = call.replace('"a": 1, "b": 2', '"city": "Oslo", "x": [1]').replace("add", "get_weather")
+    assert accepts(loose)  # get_weather is not strict: any object
+
+
+def test_strict_tools_leave_plain_answers_unchanged(client: openai.OpenAI) -> None:
+    """Live: with a strict tool the grammar is on, and a greedy answer that calls nothing is the same as with
+    the tool non-strict (the structural tag lets text through until a call marker)."""
+    strict = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": True}}]
+    loose = [{"type": "function", "function": {**TOOLS[1]["function"], "strict": False}}]
+    answers = [client.chat.completions.create(model=None, messages=ASK, tools=tools, max_tokens=12,
+                                              temperature=0.0).choices[0] for tools in (strict, loose)]
+    assert answers[0].message.content == answers[1].message.content and answers[0].message.content
+    assert answers[0].finish_reason == answers[1].finish_reason

@@ -114,6 +114,19 @@ class StructuredOutputCompiler:
         compiled = self._compile(f"schema:{int(strict)}:{text}", text, strict=strict)
         return GrammarConstraint(compiled, self.vocab_size)
 
+    def structural_tag(self, spec: dict[str, Any]) -> GrammarConstraint:
+        """vLLM's ``structural_tag`` format (``{"structures": [{"begin", "schema", "end"}], "triggers"}``): free
+        text until a trigger, then one structure: its begin, a JSON value valid against its schema, its end."""
+        tags = [{"type": "tag", "begin": t["begin"], "end": t["end"],
+                 "content": {"type": "json_schema", "json_schema": t.get("schema") or {}}}
+                for t in spec.get("structures") or ()]
+        fmt = {"type": "triggered_tags", "triggers": list(spec.get("triggers") or ()), "tags": tags}
+        try:
+            compiled = self._compiler.compile_structural_tag({"type": "structural_tag", "format": fmt})
+        except Exception as e:  # xgrammar: InvalidStructuralTagError, RuntimeError on a bad schema
+            raise StructuredOutputError(f"invalid structural tag: {e}") from e
+        return GrammarConstraint(compiled, self.vocab_size)
+
     def from_response_format(self, response_format: dict[str, Any] | None) -> GrammarConstraint | None:
         """``response_format`` as OpenAI spells it; None for plain text."""
         if not response_format:
@@ -130,4 +143,6 @@ class StructuredOutputCompiler:
                 raise StructuredOutputError("response_format.json_schema.schema is required")
             strict = spec.get("strict")
             return self.json_schema(schema, strict=True if strict is None else bool(strict))
+        if kind == "structural_tag":
+            return self.structural_tag(response_format)
         raise StructuredOutputError(f"unsupported response_format type {kind!r}")

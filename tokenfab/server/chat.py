@@ -20,6 +20,7 @@ from tokenfab.server.chat_tools import (
     ChoiceShaper,
     check_request,
     grammar_format,
+    strict_tag_format,
     template_messages,
 )
 from tokenfab.server.errors import APIError
@@ -127,9 +128,12 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     max_tokens = server.check_length(len(ids), explicit, explicit is not None, "messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
     tool_format = grammar_format(plan)
-    if tool_format is not None and body.response_format is not None and body.response_format.type != "text":
+    text_output = body.response_format is None or body.response_format.type == "text"
+    if tool_format is not None and not text_output:
         raise APIError(400, f"tool_choice {plan.mode} is enforced by a grammar and cannot be combined with "
                        "response_format", param="response_format")
+    if tool_format is None and text_output and not harmony:  # strict tools in auto mode (chat_tools)
+        tool_format = strict_tag_format(plan, tool_parser)
     constraint = await server.build_constraint(tool_format or body.response_format)
     reasoning = (get_reasoning_parser(reasoning_name, chat_template_kwargs=template_kwargs, prompt=text)
                  if reasoning_name and not harmony else None)

@@ -10,9 +10,12 @@
   returned (`call_ok`: a tool of the request, arguments a JSON object valid against its ``parameters`` schema,
   by jsonschema). Non-streamed, one failing call turns the whole output back into content (as a malformed call
   does in the parsers). Streamed, a call is held back until it is complete and checked, then sent (its id, name
-  and whole arguments in one delta) or, failing, sent as content (the model's own text of that call). ``strict``
-  tools get the same check; grammar enforcement in auto mode (starting a constraint when a call begins) is not
-  done, it would need xgrammar structural tags in ``engine/structured.py``.
+  and whole arguments in one delta) or, failing, sent as content (the model's own text of that call).
+- ``strict: true`` tools in auto mode, for the families whose call header is fixed text before a JSON object
+  (`_CALL_TAGS`: hermes, llama3_json, deepseek_v3, deepseek_v31), are also enforced by grammar
+  (`strict_tag_format`): an xgrammar structural tag lets text through until the family's call marker, then
+  only a tool's header and arguments valid against its schema. Kimi K2 (the call index is in the header),
+  GLM (arguments are not JSON), GigaChat3 and GPT-OSS get the jsonschema check only.
 - A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
   the content only.
 
@@ -69,6 +72,42 @@ def call_ok(plan: ToolPlan, name: str | None, arguments: str) -> bool:
         return False
     schema = _parameters(tool)
     return jsonschema.validators.validator_for(schema)(schema).is_valid(args)
+
+
+# family -> (trigger, header with {name}, end): a call is header + arguments JSON object + end
+_CALL_TAGS = {
+    "hermes": ("<tool_call>", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('{"name": ', '{"name": "{name}", "parameters": ', "}"),
+    "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+                    "\n```<｜tool▁call▁end｜>"),
+    "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+}
+
+
+@dataclass
+class StructuralTagFormat:
+    """A ``structural_tag`` response_format (vLLM's shape), as `OpenAIServer.build_constraint` takes one."""
+
+    structures: list[dict[str, Any]]
+    triggers: list[str]
+    type: str = "structural_tag"
+
+    def model_dump(self, **_: Any) -> dict[str, Any]:
+        return {"type": self.type, "structures": self.structures, "triggers": self.triggers}
+
+
+def strict_tag_format(plan: ToolPlan, tool_parser: str | None) -> StructuralTagFormat | None:
+    """auto mode with a ``strict: true`` tool, in a family of `_CALL_TAGS`: the grammar that enforces calls
+    once they start (strict tools' schemas; the other tools any object). None otherwise."""
+    if plan.mode != "auto" or tool_parser not in _CALL_TAGS:
+        return None
+    if not any(t["function"].get("strict") for t in plan.tools):
+        return None
+    trigger, header, end = _CALL_TAGS[tool_parser]
+    structures = [{"begin": header.replace("{name}", t["function"]["name"]), "end": end,
+                   "schema": _parameters(t) if t["function"].get("strict") else {"type": "object"}}
+                  for t in plan.tools]
+    return StructuralTagFormat(structures, [trigger])
 
 
 def check_request(body: ChatCompletionRequest) -> ToolPlan:
