@@ -361,3 +361,16 @@ def test_strict_tools_leave_plain_answers_unchanged(client: openai.OpenAI) -> No
                                               temperature=0.0).choices[0] for tools in (strict, loose)]
     assert answers[0].message.content == answers[1].message.content and answers[0].message.content
     assert answers[0].finish_reason == answers[1].finish_reason
+
+
+def test_strict_tools_without_grammar_support_still_answer() -> None:
+    """A tokenizer xgrammar cannot use (the fake engine's byte tokenizer): strict tools in auto mode are then
+    not grammar-enforced, and the request is still served (the jsonschema check stays)."""
+    from tests.server.inprocess import fake_server
+
+    with fake_server() as (http, _):
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                    "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"  # required needs it

@@ -132,9 +132,13 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     if tool_format is not None and not text_output:
         raise APIError(400, f"tool_choice {plan.mode} is enforced by a grammar and cannot be combined with "
                        "response_format", param="response_format")
-    if tool_format is None and text_output and not harmony:  # strict tools in auto mode (chat_tools)
-        tool_format = strict_tag_format(plan, tool_parser)
     constraint = await server.build_constraint(tool_format or body.response_format)
+    tag = strict_tag_format(plan, tool_parser) if tool_format is None and text_output and not harmony else None
+    if tag is not None:  # strict tools in auto mode (chat_tools): best effort, the schema check stays either way
+        try:
+            constraint = await server.build_constraint(tag)
+        except APIError as e:
+            logger.warning("strict tools not enforced by grammar for this request: %s", e.message)
     reasoning = (get_reasoning_parser(reasoning_name, chat_template_kwargs=template_kwargs, prompt=text)
                  if reasoning_name and not harmony else None)
     params = server.sampling_params(body, max_tokens, k, constraint, body.prompt_logprobs)
