@@ -177,3 +177,23 @@ def test_native_declines_what_it_cannot_take(gen, monkeypatch):
     assert w4a16_native(x, as_bytes(q), s[:, :1], None, None, "int4", 64) is None  # bad scales: ref raises
     monkeypatch.setenv("TOKENFAB_CPU_NATIVE", "0")
     assert w4a16_native(x, as_bytes(q), s, None, None, "int4", 64) is None
+
+
+@pytest.mark.parametrize("codec", ["int4", "nvfp4"])
+@pytest.mark.parametrize("split", [3, 4])  # 5 K tiles: uneven splits; with 4, the last split is empty
+def test_split_k_decode(codec, split, device, gen):
+    q, s, gs = make_weight(codec, 40, 640 - 16, gen)
+    x = torch.randn(3, 624, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    want = w4a16_gemm_ref(x, as_bytes(q), s, gs, bias, codec, 624)
+    dev = [t.to(device) if t is not None else None for t in (x, as_bytes(q), s, gs, bias)]
+    got = w4a16._w4a16_gemm_triton(*dev, codec, 624, config=dict(SPLIT_K=split))
+    assert_close(got, want.to(device))
+
+
+def test_decode_config_splits_k_on_a_big_gpu():
+    cfg = w4a16.w4a16_config(1, 4096, 14336, torch.bfloat16, sms=132)
+    assert cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] == 5  # 128 column tiles: ~4 programs per SM
+    assert w4a16.w4a16_config(16, 4096, 14336, torch.bfloat16, sms=132) == cfg  # batch-independent
+    assert w4a16.w4a16_config(1, 4096, 256, torch.bfloat16, sms=132)["SPLIT_K"] == 1  # K too short
+    assert w4a16.w4a16_config(4096, 4096, 14336, torch.bfloat16)["SPLIT_K"] == 1

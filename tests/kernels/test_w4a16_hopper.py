@@ -16,7 +16,8 @@ import pytest
 from tests.kernels.conftest import HAS_CUDA
 
 HERE = Path(__file__).resolve().parent
-OURS = ("_w4a16_kernel", "_moe_w4_gate_up_kernel", "_moe_w4_down_kernel")
+GEMMS = ("_w4a16_kernel", "_moe_w4_gate_up_kernel", "_moe_w4_down_kernel")
+OURS = (*GEMMS, "_w4a16_reduce_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def records(tmp_path_factory) -> list[dict]:
 
 def test_all_w4a16_kernels_compile(records):
     assert {r["kernel"] for r in records} == set(OURS)
+    decode = [r for r in records if r["kernel"] == "_w4a16_kernel" and "M=1 " in r["workload"] + " "]
+    assert decode and all(r["config"]["SPLIT_K"] > 1 for r in decode)  # Llama-8B down: split K
 
 
 def test_no_spills_and_shared_fits(records):
@@ -49,7 +52,8 @@ def test_no_spills_and_shared_fits(records):
 
 
 def test_prefill_tiles_use_hgmma(records):
-    big = [r for r in records if r["config"]["BLOCK_M"] >= 64 and r["config"]["DOT_PREC"] != "ieee"]
+    big = [r for r in records if r["kernel"] in GEMMS and r["config"]["BLOCK_M"] >= 64
+           and r["config"]["DOT_PREC"] != "ieee"]
     assert big
     for r in big:
         assert r["hgmma"] > 0, (r["workload"], r["kernel"])
@@ -57,5 +61,5 @@ def test_prefill_tiles_use_hgmma(records):
 
 def test_decode_tiles_use_tensor_cores(records):
     for r in records:
-        if r["config"]["DOT_PREC"] != "ieee":
+        if r["kernel"] in GEMMS and r["config"]["DOT_PREC"] != "ieee":
             assert r["hgmma"] + r["hmma"] > 0, (r["workload"], r["kernel"])

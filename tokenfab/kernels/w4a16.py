@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 # isort: off
 # _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
-from tokenfab.kernels._launch import check_device, dot_precision
+from tokenfab.kernels._launch import DEFAULT_NUM_SMS, check_device, dot_precision, num_sms
 import triton
 import triton.language as tl
 # isort: on
@@ -151,7 +151,7 @@ def _dequant_tile(codes, scales, CODEC: tl.constexpr, GROUP: tl.constexpr, BLOCK
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, sxm, swn, ssn, sgn, som,
     CODEC: tl.constexpr,
     GROUP: tl.constexpr,
@@ -162,9 +162,15 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program (row tile, column tile) of out = x . dequant(W)^T; BLOCK_K a multiple of GROUP."""
+    """Program (row tile, column tile, K split) of out = x . dequant(W)^T; BLOCK_K a multiple of GROUP.
+
+    SPLIT_K > 1 (decode: few row tiles, long K): split s takes K tiles [s * per, (s + 1) * per) and
+    writes its fp32 partial to ws[s]; ``_w4a16_reduce_kernel`` sums them in split order.
+    """
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_pid_n
@@ -183,7 +189,14 @@ def _w4a16_kernel(
     s_ptrs = s_ptr + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
     shift = (offs_k[:, None] % 2) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = pid_k * per
+    k_last = tl.minimum(k_first + per, k_tiles)
+    a_ptrs += k_first * BLOCK_K
+    w_ptrs += k_first * (BLOCK_K // 2)
+    s_ptrs += k_first * (BLOCK_K // GROUP)
+    for kk in range(k_first, k_last):
         krem = K - kk * BLOCK_K
         kmask = offs_k < krem
         a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -194,6 +207,10 @@ def _w4a16_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // GROUP
+    if SPLIT_K > 1:
+        p_ptrs = ws_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
+        return
     if HAS_GLOBAL:
         acc = acc * tl.load(g_ptr + offs_n * sgn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -202,17 +219,38 @@ def _w4a16_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def w4a16_config(m: int, dtype: torch.dtype) -> dict:
-    """Tiles by row count. Decode (<= 16 rows) is a weight stream: narrow column tiles so the grid
-    covers the SMs, long K tiles. Prefill: 128x128 tiles, 8 warps, a cp.async pipeline feeding
-    Hopper's warp-group MMA. fp32 (exact products on CUDA cores): small tiles."""
+@triton.jit
+def _w4a16_reduce_kernel(ws_ptr, g_ptr, b_ptr, out_ptr, M, N, sgn, som, SPLIT_K: tl.constexpr,
+                         HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum_s ws[s, m, n] (split order: deterministic) * g[n] + bias[n]."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for sk in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + sk * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_GLOBAL:
+        acc = acc * tl.load(g_ptr + n * sgn, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N).to(tl.int64) * som + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int = DEFAULT_NUM_SMS) -> dict:
+    """Tiles by row count. Decode (<= 16 rows) is a weight stream: narrow column tiles and, when
+    those leave SMs idle, a split of K (``SPLIT_K``, at least 4 K tiles a split) so that about four
+    programs per SM keep loads in flight; it depends on N, K and the SM count only, never on the
+    batch. Prefill: 128x128 tiles, 8 warps, a cp.async pipeline feeding Hopper's warp-group MMA.
+    fp32 (exact products on CUDA cores): small tiles."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT_K=1)
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        tiles, k_tiles = triton.cdiv(n, 32), triton.cdiv(k, 128)
+        split = max(1, min(k_tiles // 4, triton.cdiv(4 * sms, tiles), 16))
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=split)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1)
 
 
 def _w4a16_gemm_triton(
@@ -245,18 +283,25 @@ def _w4a16_gemm_triton(
     sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     if sc.stride(-1) != 1:
         sc = sc.contiguous()
-    cfg = {**w4a16_config(m, x.dtype), **(config or {})}
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg = {**w4a16_config(m, n, in_features, x.dtype, num_sms(x.device)), **(config or {})}
+    split = cfg["SPLIT_K"]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     g = global_scale.reshape(-1).float().contiguous() if global_scale is not None else sc
     if global_scale is not None and g.numel() not in (1, n):
         raise ValueError(f"global_scale must have 1 or {n} elements, got {g.numel()}")
     b = bias if bias is not None else sc
     _w4a16_kernel[grid](
-        x2, qweight, sc, g, b, out, m, n, in_features, x2.stride(0), qweight.stride(0), sc.stride(0),
+        x2, qweight, sc, g, b, out, ws, m, n, in_features, x2.stride(0), qweight.stride(0), sc.stride(0),
         int(g.numel() > 1), out.stride(0),
         CODEC=CODECS.index(codec), GROUP=GROUP_SIZE[codec], HAS_GLOBAL=global_scale is not None,
         HAS_BIAS=bias is not None, GROUP_M=8, DOT_PREC=dot_precision(x.dtype), **cfg,
     )
+    if split > 1:
+        _w4a16_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+            ws, g, b, out, m, n, int(g.numel() > 1), out.stride(0), SPLIT_K=split,
+            HAS_GLOBAL=global_scale is not None, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
+        )
     return out.view(*shape[:-1], n)
 
 
