@@ -81,8 +81,11 @@ def memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: int =
     the MKL/oneDNN packed copies, on top) and KV cache bytes per token, as served."""
     from tokenfab.engine.model_runner import kv_bytes_per_token
     from tokenfab.layers.ggml_linear import packed_bytes
+    from tokenfab.quant.memory import quantized_bytes
 
     nbytes, numel = packed_bytes(model)
+    qbytes, qnumel = quantized_bytes(model)  # FP8 / INT4 / FP4 layers (tokenfab.quant), as stored
+    nbytes, numel = nbytes + qbytes, numel + qnumel
     return {
         "weight_bytes": float(nbytes + copy_bytes),
         "num_params": float(numel),
@@ -99,4 +102,8 @@ def log_memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: i
         f" (incl. {copy_bytes / 2**20:.0f} MiB of packed GEMM copies)" if copy_bytes else "",
         figures["kv_bytes_per_token"],
     )
+    from tokenfab.quant.memory import describe_report, weight_bytes_report
+
+    if getattr(model, "quant_method", None) is not None:
+        log.info("memory: quantized layers: %s", describe_report(weight_bytes_report(model)))
     return figures
