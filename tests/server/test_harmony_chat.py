@@ -176,11 +176,24 @@ def test_live_prompt_is_harmony_with_the_reasoning_effort(gpt_oss_client):
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_live_bad_reasoning_effort_is_a_400(gpt_oss_client):
+@pytest.mark.parametrize("kw,param", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"extra_body": {"continue_final_message": True, "add_generation_prompt": False}}, "continue_final_message"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]}, "messages"),  # no such call
+])
+def test_live_bad_requests_are_400(gpt_oss_client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        gpt_oss_client.chat.completions.create(model=None, messages=ASK, max_tokens=4,
-                                               reasoning_effort="extreme")
-    assert e.value.body["param"] == "reasoning_effort", e.value.body
+        gpt_oss_client.chat.completions.create(model=None, **{"messages": ASK, "max_tokens": 4, **kw})
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_live_required_single_call_validates(gpt_oss_client):
+    r = gpt_oss_client.chat.completions.create(model=None, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=40, temperature=0.0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
 def _stream(client, **kw) -> tuple[dict, str | None]:
