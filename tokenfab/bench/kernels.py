@@ -288,7 +288,10 @@ def _workloads(tiny: bool, dev, dtype, rep_ms: float, bench, want_peer: bool, co
 
         return make
 
+    from tokenfab.bench.gemm_workloads import gemm_workloads
+
     return {
+        **gemm_workloads(tiny, dev, dtype, rnd, err),  # low-precision GEMMs vs bf16 (issue 13)
         "fused_moe_1": w_moe(1),
         "fused_moe_64": w_moe(64),
         "fused_moe_1024": w_moe(1024),
@@ -370,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
             save()
             continue
-        flops = name == "prefill_attention" or name.startswith("fused_moe")
+        flops = name == "prefill_attention" or name.startswith(("fused_moe", "gemm_"))
         value = amount / (t_ms * 1e-3) / (1e12 if flops else 1e9)
         ceiling = measured.get("matmul_TFLOPs" if flops else "copy_GBps")
         timed_peers = {k: v for k, v in peer_times.items() if isinstance(v, float)}
