@@ -92,6 +92,10 @@ def test_dense_llama_int4(llama):
     w4 = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, W4Linear)}
     assert w4 == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert not isinstance(model.lm_head, W4Linear)
+    from tokenfab.quant.memory import weight_bytes_report
+
+    q = weight_bytes_report(model)["quantized"]
+    assert q["bytes_per_param"] == pytest.approx(0.5 + 4 / 32)  # nibbles + an fp32 scale per 32 (fp32 model)
     for prompt in PROMPTS:
         tokens, logits = run_capturing_logits(_engine(llama / "int4"), list(prompt), STEPS)
         _, twin_logits = run_capturing_logits(_engine(llama / "twin"), list(prompt), STEPS)

@@ -53,6 +53,13 @@ def test_experts_stay_packed(ckpt):
         assert all(b.dtype == torch.uint8 for b in (qe.w13_q, qe.w13_s, qe.w2_q, qe.w2_s))
         bf16 = 2 * moe.num_experts * 3 * moe.intermediate_size * moe.hidden_size
         assert packed == bf16 * 17 // 64  # 4 bits + an 8-bit scale per 32 values, against 16 bits
+    from tokenfab.quant.memory import weight_bytes_report
+
+    q = weight_bytes_report(model)["quantized"]
+    e, i, h = moes[0].num_experts, moes[0].intermediate_size, moes[0].hidden_size
+    weights, biases = len(moes) * e * 3 * i * h, len(moes) * e * (2 * i + h)
+    assert q["num_params"] == weights + biases
+    assert q["weight_bytes"] == weights * 17 // 32 + biases * 4  # packed experts + their fp32 biases
 
 
 def test_greedy_matches_transformers_and_logits_match_twin(ckpt):

@@ -44,6 +44,10 @@ def test_weights_stay_packed(ckpt):
         n, k = m.out_features, m.in_features
         held = sum(b.numel() * b.element_size() for b in (m.qweight, m.scales, m.global_scale))
         assert held == n * (k // 2 + k // 16 + 4)  # nibbles, one E4M3 per 16, one fp32 global per row
+    from tokenfab.quant.memory import weight_bytes_report
+
+    q = weight_bytes_report(model)["quantized"]
+    assert 0.5625 < q["bytes_per_param"] < 0.5625 + 4 / 64  # 4.5 bits + the per-row global (K >= 64 here)
 
 
 def test_logits_match_twin_and_greedy_matches_transformers(ckpt):
