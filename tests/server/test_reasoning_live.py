@@ -97,3 +97,18 @@ def test_thinking_switched_off_by_the_template_is_all_content(reasoning_client):
     r = reasoning_client.chat.completions.create(**_request(template=closed, tools=None))
     m = r.choices[0].message
     assert m.model_extra.get("reasoning_content") is None and m.content == json.dumps(OUTPUT)
+
+
+def test_second_turn_takes_the_assistant_message_back_as_returned(reasoning_client, with_tools):
+    """The client sends the first answer back as it got it (reasoning_content, reasoning, tool_calls) with the
+    tool's result: accepted, and the reasoning reaches the template (rendered here as [r:...])."""
+    m = with_tools.choices[0].message
+    messages = [*ASK, m.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "3"}]
+    assert {"reasoning", "reasoning_content", "tool_calls"} <= set(messages[1])
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}[r:"
+                "{{ m.reasoning_content }}]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    r = reasoning_client.chat.completions.create(model=None, messages=messages, max_tokens=2, temperature=0.0,
+                                                 extra_body={"chat_template": template, "prompt_logprobs": 0})
+    prompt = "".join(next(iter(lp.values()))["decoded_token"] for lp in r.model_extra["prompt_logprobs"][1:])
+    assert "[r:" + m.model_extra["reasoning_content"][:20] in prompt

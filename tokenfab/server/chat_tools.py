@@ -184,7 +184,8 @@ def template_messages(messages: list[ChatMessage], arguments_as_text: bool = Fal
     """The conversation as chat templates expect it: assistant ``tool_calls`` with arguments as a dict (as
     Hugging Face templates read them) or, with `arguments_as_text`, as the JSON text the client sent (for
     templates that concatenate them as a string: DeepSeek-V3's and V3.1's ``'<｜tool▁sep｜>' +
-    tool['function']['arguments']``), tool messages with ``tool_call_id``."""
+    tool['function']['arguments']``), tool messages with ``tool_call_id``, an assistant turn's reasoning as
+    ``reasoning_content`` (from that field or ``reasoning``)."""
     conv = []
     for m in messages:
         content = m.content
@@ -201,6 +202,9 @@ def template_messages(messages: list[ChatMessage], arguments_as_text: bool = Fal
                                  for c in m.tool_calls]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content or m.reasoning
+        if reasoning and m.role == "assistant":  # Qwen3's, GLM's, Kimi's templates render it for recent turns
+            msg["reasoning_content"] = reasoning
         conv.append(msg)
     return conv
 

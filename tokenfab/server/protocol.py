@@ -169,7 +169,10 @@ class ChatMessage(_Request):
                                                      description="an assistant message's calls")
     tool_call_id: Text | None = Field(default=None, description="a tool message: the call it answers (required)")
     reasoning_content: Text | None = Field(default=None, description="an earlier assistant turn's reasoning "
-                                           "(accepted; not put back into the prompt)")
+                                           "(given to the chat template, which decides whether to render it; "
+                                           "GPT-OSS: Harmony's analysis message)")
+    reasoning: Text | None = Field(default=None, description="the same as reasoning_content (vLLM's newer name, "
+                                   "as responses return it)")
 
 
 class FunctionDefinition(_Request):
