@@ -79,3 +79,17 @@ def test_fp8_linear_paths_agree(gen, monkeypatch):
     assert rel < 0.05, rel
     static = quant.fp8_linear(x, w, w_s, 128, None, input_scale=x.abs().max() / 448)
     assert (static - plain + bias).norm() / plain.norm() < 0.05
+
+
+def test_ops_trace_through_torch_compile(gen):
+    """Fake impls: the two custom ops trace with fullgraph=True and give the eager result."""
+
+    def f(x, w, w_s):
+        q, s = torch.ops.tokenfab.per_token_group_quant_fp8(x, 128, False)
+        return torch.ops.tokenfab.w8a8_scaled_mm(q, s, w, w_s, 128, torch.float32)
+
+    x = _rand(gen, 3, 200)
+    w, w_s = _block_weight(gen, 130, 200, 128)
+    eager = f(x, w, w_s)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, w_s)
+    assert_close(compiled, eager)
