@@ -46,4 +46,7 @@ def gemm_workloads(tiny: bool, dev, dtype, rnd: Callable, err: Callable) -> dict
     for label, (n, k) in SHAPES.items():
         for m in TOKENS if not tiny else (1, 16):
             rows[f"gemm_fp8_{label}_{m}"] = make_fp8(label, n, k, m)
+    from tokenfab.bench.gemm_w4_workloads import w4a16_workloads
+
+    rows.update(w4a16_workloads(tiny, dev, dtype, rnd, err))  # W4A16 rows (bench/gemm_w4_workloads.py)
     return rows
