@@ -1,21 +1,15 @@
-"""Tools and reasoning in /v1/chat/completions: request checks, tool_choice -> grammar, output shaping.
+"""Tools and reasoning in /v1/chat/completions: request checks, template messages, output shaping.
 
-- ``tool_choice: "required"`` and a named function are enforced with xgrammar (``engine/structured.py``): the
-  output is JSON, Llama-3's ``{"name": NAME, "parameters": {...}}`` (one object per tool, ``const`` names, an
-  array of them when ``parallel_tool_calls``; "parameters", not "arguments", because the grammar compiler
-  sorts keys and the name must come first to stream), or for a named function its arguments object alone.
-  The call therefore always parses and matches its schema, even from a model never trained on tools.
+- ``tool_choice: "required"`` and a named function are enforced by grammar (`chat_grammar.grammar_format`), so
+  the call always parses and matches its schema, even from a model never trained on tools.
 - ``tool_choice: "auto"`` reads calls out of the content with the model family's tool parser
   (``server/tools``); ``"none"`` (or no tools) leaves the content alone. Each call is checked before it is
   returned (`call_ok`: a tool of the request, arguments a JSON object valid against its ``parameters`` schema,
   by jsonschema). Non-streamed, one failing call turns the whole output back into content (as a malformed call
   does in the parsers). Streamed, a call is held back until it is complete and checked, then sent (its id, name
   and whole arguments in one delta) or, failing, sent as content (the model's own text of that call).
-- ``strict: true`` tools in auto mode, for the families whose call header is fixed text before a JSON object
-  (`_CALL_TAGS`: hermes, llama3_json, deepseek_v3, deepseek_v31), are also enforced by grammar
-  (`strict_tag_format`): an xgrammar structural tag lets text through until the family's call marker, then
-  only a tool's header and arguments valid against its schema. Kimi K2 (the call index is in the header),
-  GLM (arguments are not JSON), GigaChat3 and GPT-OSS get the jsonschema check only.
+- ``strict: true`` tools in auto mode are also enforced by grammar for some families
+  (`chat_grammar.strict_tag_format`).
 - A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
   the content only.
 
@@ -30,14 +24,14 @@ from typing import Any
 
 import jsonschema
 
+from tokenfab.server.chat_grammar import StructuralTagFormat, grammar_format, strict_tag_format, tool_parameters
 from tokenfab.server.errors import APIError
-from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
+from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenfab.server.reasoning import CONTENT, ReasoningParser
 from tokenfab.server.tools import ContentDelta, ToolCallDelta, ToolParser, get_tool_parser
 from tokenfab.server.tools.base import new_call_id
 
 DEFAULT_TOOL_PARSER = "hermes"  # for models without a known tool format (e.g. the bundled SmolLM2)
-_EMPTY_OBJECT = {"type": "object", "properties": {}}
 
 
 @dataclass
@@ -54,10 +48,6 @@ class ToolPlan:
         return self.mode in ("required", "named")
 
 
-def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or _EMPTY_OBJECT
-
-
 def call_ok(plan: ToolPlan, name: str | None, arguments: str) -> bool:
     """True when ``name`` is one of the request's tools and ``arguments`` is a JSON object that validates
     against that tool's ``parameters`` schema (checked already by `check_request`)."""
@@ -70,44 +60,8 @@ def call_ok(plan: ToolPlan, name: str | None, arguments: str) -> bool:
         return False
     if not isinstance(args, dict):
         return False
-    schema = _parameters(tool)
+    schema = tool_parameters(tool)
     return jsonschema.validators.validator_for(schema)(schema).is_valid(args)
-
-
-# family -> (trigger, header with {name}, end): a call is header + arguments JSON object + end
-_CALL_TAGS = {
-    "hermes": ("<tool_call>", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"),
-    "llama3_json": ('{"name": ', '{"name": "{name}", "parameters": ', "}"),
-    "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
-                    "\n```<｜tool▁call▁end｜>"),
-    "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
-}
-
-
-@dataclass
-class StructuralTagFormat:
-    """A ``structural_tag`` response_format (vLLM's shape), as `OpenAIServer.build_constraint` takes one."""
-
-    structures: list[dict[str, Any]]
-    triggers: list[str]
-    type: str = "structural_tag"
-
-    def model_dump(self, **_: Any) -> dict[str, Any]:
-        return {"type": self.type, "structures": self.structures, "triggers": self.triggers}
-
-
-def strict_tag_format(plan: ToolPlan, tool_parser: str | None) -> StructuralTagFormat | None:
-    """auto mode with a ``strict: true`` tool, in a family of `_CALL_TAGS`: the grammar that enforces calls
-    once they start (strict tools' schemas; the other tools any object). None otherwise."""
-    if plan.mode != "auto" or tool_parser not in _CALL_TAGS:
-        return None
-    if not any(t["function"].get("strict") for t in plan.tools):
-        return None
-    trigger, header, end = _CALL_TAGS[tool_parser]
-    structures = [{"begin": header.replace("{name}", t["function"]["name"]), "end": end,
-                   "schema": _parameters(t) if t["function"].get("strict") else {"type": "object"}}
-                  for t in plan.tools]
-    return StructuralTagFormat(structures, [trigger])
 
 
 def check_request(body: ChatCompletionRequest) -> ToolPlan:
@@ -160,24 +114,6 @@ def check_request(body: ChatCompletionRequest) -> ToolPlan:
         raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
                        f"({', '.join(sorted(names))})", param="tool_choice")
     return ToolPlan("named", tools, named=choice.function.name, parallel=body.parallel_tool_calls)
-
-
-def grammar_format(plan: ToolPlan) -> ResponseFormat | None:
-    """The json_schema response_format that enforces a required/named tool_choice (None otherwise)."""
-    if plan.mode == "named":
-        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
-        schema = _parameters(tool)
-    elif plan.mode == "required":
-        one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "parameters": _parameters(t)},
-                "required": ["name", "parameters"], "additionalProperties": False} for t in plan.tools]
-        schema = one[0] if len(one) == 1 else {"anyOf": one}
-        if plan.parallel:
-            schema = {"type": "array", "items": schema, "minItems": 1}
-    else:
-        return None
-    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="tool_call", schema=schema,
-                                                                           strict=True))
 
 
 def template_messages(messages: list[ChatMessage], arguments_as_text: bool = False) -> list[dict[str, Any]]:
@@ -390,3 +326,7 @@ class ChoiceShaper:
                 if d.id is not None or d.arguments:
                     out.append({"tool_calls": [call]})
         return out
+
+
+__all__ = ["DEFAULT_TOOL_PARSER", "ChoiceShaper", "StructuralTagFormat", "ToolPlan", "call_ok", "check_request",
+           "grammar_format", "strict_tag_format", "template_messages"]
