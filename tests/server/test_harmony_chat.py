@@ -240,3 +240,26 @@ def test_live_named_tool_validates_streamed_and_not_then_a_tool_turn(gpt_oss_cli
                                                 temperature=0.0)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_prefilled_final_channel_streams_json_as_content():
+    """With a response_format the prompt ends inside a final message (chat_harmony.harmony_prefill): the shaper,
+    primed with that prefill, gives the JSON as content token by token."""
+    from tokenfab.server.chat_harmony import HarmonyShaper
+    from tokenfab.server.chat_tools import ToolPlan
+    from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+
+    ids = harmony_encoding().encode('{"city": "Zürich"}<|return|>', allowed_special="all")
+    s = HarmonyShaper(ToolPlan("none"), "<|channel|>final<|message|>")
+    deltas = [d for t in ids for d in s.feed_ids([t])] + s.finish("stop")[0]
+    assert len(deltas) > 3 and "".join(d["content"] for d in deltas) == '{"city": "Zürich"}'
+
+
+def test_live_response_format_streams_valid_json_content(gpt_oss_client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    kw = dict(messages=ASK, max_tokens=40, temperature=0.0, response_format=fmt)
+    r = gpt_oss_client.chat.completions.create(model=None, **kw)
+    jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
+    pieces = [ch.delta.content for chunk in gpt_oss_client.chat.completions.create(model=None, stream=True, **kw)
+              for ch in chunk.choices if ch.delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == r.choices[0].message.content

@@ -14,7 +14,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.async_engine import RequestStream, StreamChunk
-from tokenfab.server.chat_harmony import HarmonyShaper, harmony_stop_token_ids, render_harmony_prompt, uses_harmony
+from tokenfab.server.chat_harmony import (
+    HarmonyShaper,
+    harmony_prefill,
+    harmony_stop_token_ids,
+    render_harmony_prompt,
+    uses_harmony,
+)
 from tokenfab.server.chat_tools import (
     DEFAULT_TOOL_PARSER,
     ChoiceShaper,
@@ -147,7 +153,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
 
     def shaper() -> ChoiceShaper | HarmonyShaper:
         if harmony and not plan.constrained:
-            return HarmonyShaper(plan)
+            return HarmonyShaper(plan, harmony_prefill(body, plan))
         return ChoiceShaper(plan, None if harmony else tool_parser, reasoning)
     server.check_request([ids], params, "messages")
     request_id = random_id("chatcmpl")

@@ -12,6 +12,8 @@
   so their output is the JSON the grammar allows and is shaped by `ChoiceShaper`; for a named function the
   prompt already ends with that call's Harmony header (``<|channel|>commentary to=functions.NAME
   <|constrain|>json<|message|>``), so the model writes the arguments where it was trained to.
+- A ``response_format`` (JSON) in auto/none mode: the prompt ends with ``<|channel|>final<|message|>``, so the
+  grammar's JSON is the final answer and streams as content (`harmony_prefill`; the shaper is primed with it).
 - ``<|return|>`` and ``<|call|>`` are added to the request's stop tokens.
 """
 
@@ -41,6 +43,15 @@ def reasoning_effort(body: ChatCompletionRequest) -> str | None:
     return body.chat_template_kwargs.reasoning_effort if body.chat_template_kwargs else None
 
 
+def harmony_prefill(body: ChatCompletionRequest, plan: ToolPlan) -> str | None:
+    """The start of the assistant's message that the prompt already holds (None: the model writes it)."""
+    if plan.mode == "named":
+        return f"<|channel|>commentary to=functions.{plan.named} <|constrain|>json<|message|>"
+    if not plan.constrained and body.response_format is not None and body.response_format.type != "text":
+        return "<|channel|>final<|message|>"
+    return None
+
+
 def render_harmony_prompt(body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
     """The prompt's token ids (CPU work: run it off the event loop). Bad input is a 400."""
     from tokenfab.server.reasoning.harmony_prompt import render_gpt_oss_prompt
@@ -54,9 +65,9 @@ def render_harmony_prompt(body: ChatCompletionRequest, plan: ToolPlan) -> list[i
     tools = plan.tools if plan.tools and plan.mode != "none" else None
     try:
         ids = render_gpt_oss_prompt(messages, tools, reasoning_effort(body))
-        if plan.mode == "named":
-            header = f"<|channel|>commentary to=functions.{plan.named} <|constrain|>json<|message|>"
-            ids = ids + harmony_encoding().encode(header, allowed_special="all")
+        prefill = harmony_prefill(body, plan)
+        if prefill is not None:
+            ids = ids + harmony_encoding().encode(prefill, allowed_special="all")
     except HarmonyVocabUnavailable as e:
         raise APIError(503, f"GPT-OSS prompts cannot be rendered on this server: {e}",
                        code="service_unavailable") from e
@@ -73,13 +84,17 @@ def harmony_stop_token_ids() -> list[int]:
 
 class HarmonyShaper:
     """One choice of a GPT-OSS completion (tool_choice auto or none) -> OpenAI message / stream deltas, from
-    its token ids. Same interface as `ChoiceShaper` (``feed_chunk``, ``finish``, ``final_ids``)."""
+    its token ids. Same interface as `ChoiceShaper` (``feed_chunk``, ``finish``, ``final_ids``). `prefill`: what
+    the prompt already wrote of the message (`harmony_prefill`), read first so the parser is in step."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, prefill: str | None = None) -> None:
+        from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
         from tokenfab.server.tools.gpt_oss import GptOssToolStream, ReasoningDelta
 
         self.plan = plan
         self._stream = GptOssToolStream()
+        if prefill:
+            self._stream.feed_ids(harmony_encoding().encode(prefill, allowed_special="all"))
         self._reasoning_delta = ReasoningDelta
         self.num_calls = 0
 
