@@ -155,6 +155,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
         if harmony and not plan.constrained:
             return HarmonyShaper(plan, harmony_prefill(body, plan))
         return ChoiceShaper(plan, None if harmony else tool_parser, reasoning)
+
     server.check_request([ids], params, "messages")
     request_id = random_id("chatcmpl")
     stream = await server.submit([ids], params, body.priority, arrival, request_id, body.cache_salt)
