@@ -32,7 +32,7 @@ from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
 from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_activation_ref, moe_config
-from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, check_w4, dequantize_w4
+from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, _unpack_codes, check_w4, dequantize_w4
 
 
 def _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec, activation) -> tuple:
@@ -145,6 +145,7 @@ def _moe_w4_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Program (row tile, column tile): out[pair, n] = act(x[pair // k] . G[e, n], x . U[e, n]) with
     G, U the dequantized gate and up rows of expert e = expert_ids[tile]; sentinel rows are skipped."""
@@ -165,28 +166,32 @@ def _moe_w4_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
-    g_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] // 2
+    g_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_b[:, None]
     u_ptrs = g_ptrs + inter * swn
     gs_ptrs = s_ptr + e * sse + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
     us_ptrs = gs_ptrs + inter * ssn
-    shift = (offs_k[:, None] % 2) * 4
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, (hidden + BLOCK_K - 1) // BLOCK_K):
         krem = hidden - kk * BLOCK_K
-        kmask = offs_k < krem
-        wmask = nmask[None, :] & kmask[:, None]
-        smask = nmask[None, :] & (offs_g[:, None] * GROUP < krem)
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        bg = tl.load(g_ptrs, mask=wmask, other=0).to(tl.int32)
-        wg = _dequant_tile((bg >> shift) & 15, tl.load(gs_ptrs, mask=smask, other=0), CODEC, GROUP, BLOCK_K,
-                           BLOCK_N)
+        if EVEN_K:  # no K mask: the weight loads vectorize along K
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            wmask = nmask[None, :]
+            smask = nmask[None, :]
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < krem), other=0.0)
+            wmask = nmask[None, :] & (offs_b[:, None] * 2 < krem)
+            smask = nmask[None, :] & (offs_g[:, None] * GROUP < krem)
+        bg = tl.load(g_ptrs, mask=wmask, other=0)
+        wg = _dequant_tile(_unpack_codes(bg, BLOCK_K, BLOCK_N), tl.load(gs_ptrs, mask=smask, other=0), CODEC, GROUP,
+                           BLOCK_K, BLOCK_N)
         acc_g = tl.dot(a, wg.to(a.dtype), acc_g, input_precision=DOT_PREC)
-        bu = tl.load(u_ptrs, mask=wmask, other=0).to(tl.int32)
-        wu = _dequant_tile((bu >> shift) & 15, tl.load(us_ptrs, mask=smask, other=0), CODEC, GROUP, BLOCK_K,
-                           BLOCK_N)
+        bu = tl.load(u_ptrs, mask=wmask, other=0)
+        wu = _dequant_tile(_unpack_codes(bu, BLOCK_K, BLOCK_N), tl.load(us_ptrs, mask=smask, other=0), CODEC, GROUP,
+                           BLOCK_K, BLOCK_N)
         acc_u = tl.dot(a, wu.to(a.dtype), acc_u, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K // 2
@@ -223,6 +228,7 @@ def _moe_w4_down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Program (row tile, column tile): out[pair, n] = (x[pair] . D[e, n] + b2[e, n]) * topk_weight[pair]."""
     pid = tl.program_id(0)
@@ -242,19 +248,23 @@ def _moe_w4_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
-    b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] // 2
+    b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_b[:, None]
     s_ptrs = s_ptr + e * sse + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
-    shift = (offs_k[:, None] % 2) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, (inter + BLOCK_K - 1) // BLOCK_K):
         krem = inter - kk * BLOCK_K
-        kmask = offs_k < krem
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0).to(tl.int32)
-        sc = tl.load(s_ptrs, mask=nmask[None, :] & (offs_g[:, None] * GROUP < krem), other=0)
-        w = _dequant_tile((b >> shift) & 15, sc, CODEC, GROUP, BLOCK_K, BLOCK_N)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=nmask[None, :], other=0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < krem), other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :] & (offs_b[:, None] * 2 < krem), other=0)
+            sc = tl.load(s_ptrs, mask=nmask[None, :] & (offs_g[:, None] * GROUP < krem), other=0)
+        w = _dequant_tile(_unpack_codes(b, BLOCK_K, BLOCK_N), sc, CODEC, GROUP, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K // 2
@@ -321,7 +331,8 @@ def _fused_experts_w4a16_triton(
         hidden, w13_q, w13_s, g13, b13, inter_out, sorted_ids, expert_ids, npost,
         n_pairs, inter, h, hidden.stride(0), w13_q.stride(0), w13_q.stride(1), w13_s.stride(0), w13_s.stride(1),
         b13.stride(0), inter_out.stride(0), float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, **common, **gu,
+        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, EVEN_K=h % gu["BLOCK_K"] == 0,
+        **common, **gu,
     )
     pair_out = hidden.new_empty(n_pairs, h)
     dn = cfg["down"]
@@ -330,7 +341,8 @@ def _fused_experts_w4a16_triton(
     _moe_w4_down_kernel[(tiles_m * triton.cdiv(h, dn["BLOCK_N"]),)](
         inter_out, w2_q, w2_s, g2, b2, tw, pair_out, sorted_ids, expert_ids, npost,
         n_pairs, h, inter, inter_out.stride(0), w2_q.stride(0), w2_q.stride(1), w2_s.stride(0), w2_s.stride(1),
-        b2.stride(0), pair_out.stride(0), HAS_BIAS=w2_bias is not None, **common, **dn,
+        b2.stride(0), pair_out.stride(0), HAS_BIAS=w2_bias is not None, EVEN_K=inter % dn["BLOCK_K"] == 0,
+        **common, **dn,
     )
     return _moe_sum_triton(pair_out.view(t, k, h))
 

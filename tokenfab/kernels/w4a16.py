@@ -15,8 +15,9 @@ as stored, viewed without a copy:
   (G = 16) times the float32 global ``weight_scale_2`` (one per tensor; a merged projection passes
   one per output row, each shard's own).
 
-The kernel streams a [BLOCK_K / G, BLOCK_N] tile of scales and the [BLOCK_K, BLOCK_N] nibbles
-(each byte read for its two elements), decodes the codes with integer ops, multiplies by the
+The kernel streams a [BLOCK_K / G, BLOCK_N] tile of scales and a K-contiguous [BLOCK_K / 2, BLOCK_N]
+tile of bytes (unmasked along K when K is a multiple of the tile, so both load by cp.async; the two
+nibbles of a byte are spread with ``tl.join`` + reshape), decodes the codes with integer ops, multiplies by the
 scale broadcast over its group, rounds to the activation dtype and feeds ``tl.dot`` (fp32
 accumulator; exact "ieee" products for fp32 activations). NVFP4's global scale (a scalar, or one
 per output column) multiplies the accumulator once, with the bias, at the end.
@@ -150,6 +151,15 @@ def _dequant_tile(codes, scales, CODEC: tl.constexpr, GROUP: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _unpack_codes(byte, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """uint8 bytes [BLOCK_K // 2, BLOCK_N] (K-contiguous in memory, so the load vectorizes) -> int32
+    codes [BLOCK_K, BLOCK_N], element 2j from byte j's low nibble, 2j + 1 from its high nibble."""
+    b = byte.to(tl.int32)
+    pair = tl.join(b & 15, b >> 4)  # [BLOCK_K // 2, BLOCK_N, 2]
+    return tl.reshape(tl.permute(pair, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, sxm, swn, ssn, sgn, som,
@@ -163,6 +173,7 @@ def _w4a16_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Program (row tile, column tile, K split) of out = x . dequant(W)^T; BLOCK_K a multiple of GROUP.
 
@@ -181,13 +192,13 @@ def _w4a16_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     mmask = offs_m < M
     nmask = offs_n < N
     a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * sxm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None] // 2
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * swn + offs_b[:, None]
     s_ptrs = s_ptr + offs_n[None, :].to(tl.int64) * ssn + offs_g[:, None]
-    shift = (offs_k[:, None] % 2) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per = tl.cdiv(k_tiles, SPLIT_K)
@@ -200,9 +211,13 @@ def _w4a16_kernel(
         krem = K - kk * BLOCK_K
         kmask = offs_k < krem
         a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        byte = tl.load(w_ptrs, mask=nmask[None, :] & kmask[:, None], other=0).to(tl.int32)
-        sc = tl.load(s_ptrs, mask=nmask[None, :] & (offs_g[:, None] * GROUP < krem), other=0)
-        w = _dequant_tile((byte >> shift) & 15, sc, CODEC, GROUP, BLOCK_K, BLOCK_N)
+        if EVEN_K:  # no K mask: the loads vectorize along K
+            byte = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+            sc = tl.load(s_ptrs, mask=nmask[None, :], other=0)
+        else:
+            byte = tl.load(w_ptrs, mask=nmask[None, :] & (offs_b[:, None] * 2 < krem), other=0)
+            sc = tl.load(s_ptrs, mask=nmask[None, :] & (offs_g[:, None] * GROUP < krem), other=0)
+        w = _dequant_tile(_unpack_codes(byte, BLOCK_K, BLOCK_N), sc, CODEC, GROUP, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
@@ -295,7 +310,8 @@ def _w4a16_gemm_triton(
         x2, qweight, sc, g, b, out, ws, m, n, in_features, x2.stride(0), qweight.stride(0), sc.stride(0),
         int(g.numel() > 1), out.stride(0),
         CODEC=CODECS.index(codec), GROUP=GROUP_SIZE[codec], HAS_GLOBAL=global_scale is not None,
-        HAS_BIAS=bias is not None, GROUP_M=8, DOT_PREC=dot_precision(x.dtype), **cfg,
+        HAS_BIAS=bias is not None, GROUP_M=8, DOT_PREC=dot_precision(x.dtype),
+        EVEN_K=in_features % cfg["BLOCK_K"] == 0, **cfg,
     )
     if split > 1:
         _w4a16_reduce_kernel[(triton.cdiv(m * n, 1024),)](
