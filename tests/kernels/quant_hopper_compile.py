@@ -4,7 +4,8 @@ instructions (``QGMMA``: warp-group MMA with e4m3 operands), registers, shared a
 
 Workloads: activation quant of Llama-8B's hidden (4096) at 1 and 4096 tokens; the block-scaled
 W8A8 GEMM at 1 / 16 / 256 / 4096 tokens for Llama-3.1-8B's gate_up (28672 x 4096) and a DeepSeek-V3
-expert's down projection (7168 x 2048), and the per-channel variant (compressed-tensors / online FP8).
+expert's down projection (7168 x 2048), the per-channel variant (compressed-tensors / online FP8),
+and the FP8 fused MoE at DeepSeek-V3's layer shape (256 experts, top-8, hidden 7168, expert 2048).
 
     TRITON_INTERPRET=0 python tests/kernels/quant_hopper_compile.py --json out.json --markdown
 """
@@ -53,15 +54,28 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         work.append((f"fp8 block gemm deepseek expert down 7168x2048 M={m}",
                      lambda m=m: _gemm(m, 7168, 2048, True)))
     work.append(("fp8 channel gemm llama-8b down 4096x14336 M=4096", lambda: _gemm(4096, 4096, 14336, False)))
+    for t in (1, 1024, 4096):  # 256 experts, top-8: 1 / 32 / 128 rows per expert
+        work.append((f"fp8 fused moe deepseek-v3 (E=256 top-8 H=7168 I=2048) T={t}", lambda t=t: _moe(t)))
     return work
 
 
+def _moe(t: int) -> None:
+    from tokenfab.kernels import moe_fp8
+
+    e, k, h, i = 256, 8, 7168, 2048
+    x = torch.empty(t, h, dtype=torch.bfloat16)
+    w13, w2 = torch.empty(e, 2 * i, h, dtype=FP8), torch.empty(e, h, i, dtype=FP8)
+    s13, s2 = torch.empty(e, 2 * i // 128, h // 128), torch.empty(e, h // 128, i // 128)
+    ids = (torch.arange(t * k, dtype=torch.int32) % e).view(t, k)
+    moe_fp8._fused_experts_fp8_triton(x, w13, s13, w2, s2, 128, 128, torch.full((t, k), 1.0 / k), ids)
+
+
 def compile_all(only: str | None = None) -> list[dict]:
-    from tokenfab.kernels import quant
+    from tokenfab.kernels import moe_align, moe_fp8, moe_gemm, quant
 
     results: list[dict] = []
     current = {"label": ""}
-    saved = patch_kernels([quant], results, lambda: current["label"])
+    saved = patch_kernels([quant, moe_fp8, moe_align, moe_gemm], results, lambda: current["label"])
     try:
         for label, fn in _workloads():
             if only and only not in label:

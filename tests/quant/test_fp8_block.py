@@ -70,11 +70,6 @@ def case(request, tmp_path_factory):
     return _build(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def edge_case(tmp_path_factory):
-    return _build("qwen3-edge", tmp_path_factory)
-
-
 def _hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
     import transformers
 
@@ -137,17 +132,23 @@ def test_fp8_weight_bytes_are_half_of_bf16(case):
     assert held < 0.5 * params * 2 * (1 + 4 / 128 + 0.01)
 
 
-def test_w8a8_path(edge_case, monkeypatch):
-    """The GPU path (activations quantized per token and 128 channels, the W8A8 Triton GEMM, here in
-    the interpreter) on the same model equals the same W8A8 computation done by the plain-torch
-    references (1e-4), and stays within 10% (relative L2) of the dequantized twin's logits: the error
-    of e4m3 activations (3 mantissa bits, up to 1/16 relative each) through two random layers."""
-    from tokenfab.kernels import quant
+@pytest.mark.parametrize("name", ["qwen3-edge", "deepseek-edge"])
+def test_w8a8_path(name, tmp_path_factory, monkeypatch):
+    """The GPU path (activations quantized per token and 128 channels, the W8A8 Triton GEMM and, for
+    DeepSeek's experts, the FP8 fused MoE; here in the interpreter) on the same model equals the same
+    W8A8 computation done by the plain-torch references (1e-4), and stays within 10% (relative L2) of
+    the dequantized twin's logits: the error of e4m3 activations (3 mantissa bits, up to 1/16 relative
+    each) through a few random layers."""
+    from tokenfab.kernels import moe_fp8, quant
+    from tokenfab.quant import fp8_experts
 
-    _, root, _ = edge_case  # odd shapes; one case is enough for the interpreter (slow)
-    monkeypatch.setattr(quant, "backend", lambda t: "triton")  # fp8_linear takes the W8A8 route
+    _, root, _ = _build(name, tmp_path_factory)  # odd shapes; the interpreter is slow, so two cases
+    w8a8 = lambda t: "triton"  # noqa: E731
+    monkeypatch.setattr(quant, "backend", w8a8)  # the FP8 layers take the W8A8 route
+    monkeypatch.setattr(fp8_experts, "backend", w8a8)
     _, w8a8_ref = run_capturing_logits(_engine(root / "fp8"), PROMPTS[1], 2)
-    monkeypatch.setattr(quant, "use_triton", lambda t: True)  # ... and its ops run the Triton kernels
+    monkeypatch.setattr(quant, "use_triton", lambda t: True)  # ... and their ops run the Triton kernels
+    monkeypatch.setattr(moe_fp8, "use_triton", lambda t: True)
     _, w8a8 = run_capturing_logits(_engine(root / "fp8"), PROMPTS[1], 2)
     monkeypatch.undo()
     _, twin = run_capturing_logits(_engine(root / "twin"), PROMPTS[1], 2)

@@ -3,9 +3,11 @@
 The experts' float8 weights stay stacked as in the plain layer (``w13`` [E, 2I, H]: each expert's
 gate rows then its up rows; ``w2`` [E, H, I]) with their scale grids: block FP8 (128x128 blocks per
 expert projection; when I is not a multiple of 128 the gate/up grids are kept per row, as in
-FP8Linear) or per channel. The product dequantizes the layer's experts for the call only and runs
-the plain fused-experts path (Triton's bf16 grouped GEMM on GPU, the reference on CPU); the weights
-stay float8 in memory. A fused FP8 MoE kernel (W8A8 inside the grouped GEMM) is not written yet.
+FP8Linear) or per channel. On GPU (Triton) block-FP8 experts run the W8A8 fused MoE
+(``kernels/moe_fp8.py``: activations quantized per token and 128 channels, the float8 experts read
+by the grouped GEMMs). On CPU, and for per-channel experts, the layer's experts are dequantized for
+the call only and run the plain fused-experts path (weight-only; transformers' numbers on CPU).
+The weights stay float8 in memory either way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenfab.kernels._dispatch import backend
 from tokenfab.kernels.moe import fused_experts
+from tokenfab.kernels.moe_fp8 import fused_experts_fp8
 from tokenfab.kernels.quant import FP8
 from tokenfab.quant.base import QuantizedModule, check_shape
 
@@ -101,6 +105,10 @@ class FP8Experts(QuantizedModule):
                 _dequantize_stack(self.w2, self.w2_scale, self.group_2, dtype))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "block" and self.activation == "silu" and backend(x) == "triton":
+            # W8A8 fused MoE: the float8 experts read by the grouped GEMMs, no dequantized copy
+            return fused_experts_fp8(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_13,
+                                     self.group_2, topk_weights, topk_ids, self.ue8m0)
         w13, w2 = self.dequantized(x.dtype)
         return fused_experts(x, w13, w2, topk_weights, topk_ids, None, None, self.activation,
                              self.swiglu_alpha, self.swiglu_limit)
