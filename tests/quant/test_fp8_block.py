@@ -155,3 +155,14 @@ def test_w8a8_path(name, tmp_path_factory, monkeypatch):
     for a, r, b in zip(w8a8, w8a8_ref, twin, strict=True):
         torch.testing.assert_close(a, r, **LOGIT_TOL)
         assert float((a - b).norm() / b.norm()) < 0.10
+
+
+def test_scale_fmt_ue8m0_reaches_the_layers(tmp_path):
+    """DeepSeek-V3.1's ``scale_fmt: "ue8m0"``: every FP8 layer quantizes its activations with
+    power-of-two scales (the kernel's ue8m0 path, tested in tests/kernels/test_quant.py)."""
+    save_tiny_model(tiny_config("qwen3", architectures=["Qwen3ForCausalLM"]), tmp_path / "src")
+    write_fp8_block_checkpoint(tmp_path / "src", tmp_path / "fp8", scale_fmt="ue8m0")
+    model = _engine(tmp_path / "fp8").runner.model
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert layers and all(m.ue8m0 for m in layers)
+    assert "ue8m0" in model.quant_method.describe()
