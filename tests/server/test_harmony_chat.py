@@ -263,3 +263,22 @@ def test_live_response_format_streams_valid_json_content(gpt_oss_client):
     pieces = [ch.delta.content for chunk in gpt_oss_client.chat.completions.create(model=None, stream=True, **kw)
               for ch in chunk.choices if ch.delta.content]
     assert len(pieces) > 1 and "".join(pieces) == r.choices[0].message.content
+
+
+def test_gpt_oss_model_folder_selects_harmony(tmp_path):
+    """The engine in its own process: the model type comes from config.json, and GPT-OSS goes through Harmony
+    unless the request brings its own (trusted) text template."""
+    from types import SimpleNamespace
+
+    from tokenfab.server.app import ServerConfig
+    from tokenfab.server.chat import parser_names
+    from tokenfab.server.chat_harmony import uses_harmony
+    from tokenfab.server.protocol import ChatCompletionRequest
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}))
+    server = SimpleNamespace(engine=SimpleNamespace(), config=ServerConfig(),
+                             tokenizer=SimpleNamespace(chat_template="{{ tools }}", name_or_path=str(tmp_path)))
+    names = parser_names(server)
+    assert names == ("openai", "gpt_oss")
+    assert uses_harmony(*names, ChatCompletionRequest.model_validate({"messages": ASK}))
+    assert not uses_harmony(*names, ChatCompletionRequest.model_validate({"messages": ASK, "chat_template": "x"}))
