@@ -78,3 +78,15 @@ def test_online_fp8_of_a_safetensors_folder(tmp_path):
     assert ((layer.weight - w).abs() <= w.abs() * 2**-4 + step).all()
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLMEngine(model=str(tmp_path), quantization="int3")
+
+
+def test_cli_flag():
+    import argparse
+
+    from tokenfab.engine.args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    for value in ("fp8", "fp8-block"):
+        args = EngineArgs.from_cli_args(parser.parse_args(["some-dir", "--quantization", value]))
+        assert args.quantization == value
