@@ -63,12 +63,12 @@ def test_w8a8_scaled_mm(device, gen, m, n, k, group_n, out_dtype):
                                   else {"rtol": 1.6e-2, "atol": 1.6e-2}))
 
 
-def test_fp8_linear_paths_agree(gen, monkeypatch):
+def test_fp8_linear_paths_agree(device, gen, monkeypatch):
     """The CPU path (weight-only, dequantized per call) and the W8A8 Triton path differ only by the
     activation quantization: within a few fp8 steps of the result."""
-    x = _rand(gen, 4, 3, 200)
-    w, w_s = _block_weight(gen, 150, 200, 128)
-    bias = _rand(gen, 150)
+    x = _rand(gen, 4, 3, 200).to(device)
+    w, w_s = (t.to(device) for t in _block_weight(gen, 150, 200, 128))
+    bias = _rand(gen, 150).to(device)
     monkeypatch.setenv("TOKENFAB_KERNELS", "torch")
     plain = quant.fp8_linear(x, w, w_s, 128, bias)
     torch.testing.assert_close(plain, x @ quant.dequantize_fp8(w, w_s, 128, torch.float32).T + bias)
