@@ -80,6 +80,7 @@ CASES = [
     (3, 48, 160),
     (37, 96, 96),
     (130, 40, 192),
+    (2, 24, 80),  # no K tile divides K: the masked-K path
 ]
 
 
@@ -197,3 +198,10 @@ def test_decode_config_splits_k_on_a_big_gpu():
     assert w4a16.w4a16_config(16, 4096, 14336, torch.bfloat16, sms=132) == cfg  # batch-independent
     assert w4a16.w4a16_config(1, 4096, 256, torch.bfloat16, sms=132)["SPLIT_K"] == 1  # K too short
     assert w4a16.w4a16_config(4096, 4096, 14336, torch.bfloat16)["SPLIT_K"] == 1
+
+
+def test_even_block_k():
+    assert w4a16.even_block_k(128, 2880, 32) == 64  # GPT-OSS hidden: 64-wide tiles need no K mask
+    assert w4a16.even_block_k(128, 14336, 32) == 128
+    assert w4a16.even_block_k(128, 160, 32) == 32
+    assert w4a16.even_block_k(128, 80, 16) == 128  # nothing divides: keep the tile, mask K

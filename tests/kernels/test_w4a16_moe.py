@@ -38,6 +38,7 @@ CASES = [
     (1, 4, 2, 64, 32, "silu", False),
     (5, 6, 2, 96, 64, "silu", False),  # H not a multiple of the 64-wide K tile
     (33, 8, 3, 64, 96, "swiglu_oai", True),
+    (4, 5, 2, 80, 48, "silu", False),  # H and I divisible by no K tile: the masked-K path
 ]
 
 

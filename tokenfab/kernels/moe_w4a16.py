@@ -32,7 +32,15 @@ from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
 from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_activation_ref, moe_config
-from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, _unpack_codes, check_w4, dequantize_w4
+from tokenfab.kernels.w4a16 import (
+    CODECS,
+    GROUP_SIZE,
+    _dequant_tile,
+    _unpack_codes,
+    check_w4,
+    dequantize_w4,
+    even_block_k,
+)
 
 
 def _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec, activation) -> tuple:
@@ -314,6 +322,9 @@ def _fused_experts_w4a16_triton(
     w13_q, w13_s, w2_q, w2_s = _contig(w13_q), _contig(w13_s), _contig(w2_q), _contig(w2_s)
     tw = topk_weights.reshape(-1).float().contiguous()
     cfg = moe_config(t, k, e, hidden.dtype)
+    grp = GROUP_SIZE[codec]
+    cfg = {**cfg, "gate_up": {**cfg["gate_up"], "BLOCK_K": even_block_k(cfg["gate_up"]["BLOCK_K"], h, grp)},
+           "down": {**cfg["down"], "BLOCK_K": even_block_k(cfg["down"]["BLOCK_K"], inter, grp)}}
     if config:
         cfg = {**cfg, **config}
     bm, gm = cfg["BLOCK_M"], cfg["GROUP_M"]

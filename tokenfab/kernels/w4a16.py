@@ -268,6 +268,15 @@ def w4a16_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int = DEFAULT_
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1)
 
 
+def even_block_k(block_k: int, k: int, group: int) -> int:
+    """The largest K tile <= ``block_k`` (halving, not below 32 or the scale group) that divides K,
+    so the loads need no K mask (cp.async); ``block_k`` itself when none does."""
+    bk = block_k
+    while k % bk and bk // 2 >= max(32, group):
+        bk //= 2
+    return bk if k % bk == 0 else block_k
+
+
 def _w4a16_gemm_triton(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -298,7 +307,9 @@ def _w4a16_gemm_triton(
     sc = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     if sc.stride(-1) != 1:
         sc = sc.contiguous()
-    cfg = {**w4a16_config(m, n, in_features, x.dtype, num_sms(x.device)), **(config or {})}
+    cfg = w4a16_config(m, n, in_features, x.dtype, num_sms(x.device))
+    cfg["BLOCK_K"] = even_block_k(cfg["BLOCK_K"], in_features, GROUP_SIZE[codec])
+    cfg.update(config or {})
     split = cfg["SPLIT_K"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
