@@ -134,9 +134,14 @@ def load_model(
     model = _build(arch, config, dtype, device, max_len, path)
     if quant_method is not None:
         from tokenfab.quant.apply import apply_quant_method
+        from tokenfab.quant.config import UnsupportedQuantization
 
-        with torch.device(device):
-            apply_quant_method(model, quant_method)
+        try:
+            with torch.device(device):
+                apply_quant_method(model, quant_method)
+        except UnsupportedQuantization as e:  # a layer the format's variant cannot serve
+            where = path / "config.json" if path.is_dir() else path
+            raise ModelLoadError(where, f"unsupported quantized checkpoint: {quant_method.describe()}: {e}") from e
         model.quant_method = quant_method
     if path.suffix == ".gguf" and gguf_act is not None:
         from tokenfab.loader.gguf_packed import load_gguf_packed
