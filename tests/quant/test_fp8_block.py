@@ -22,7 +22,7 @@ import torch
 
 from tests.models.test_deepseek import save_tiny_deepseek
 from tests.quant.layouts_fp8 import write_fp8_block_checkpoint
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
+from tests.tiny_models import run_capturing_logits, save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sampling_params import SamplingParams
 from tokenfab.quant.fp8_block import FP8Linear
@@ -50,6 +50,7 @@ def _engine(path) -> LLMEngine:
 
 
 _BUILT: dict[str, object] = {}
+_LOADED: dict[object, object] = {}  # the FP8 model test_loads_... loaded, reused by the bytes test
 
 
 def _build(name: str, tmp_path_factory):
@@ -75,11 +76,10 @@ def _hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     res = []
-    for prompt in prompts:
-        out = list(prompt)
-        for _ in range(n):
-            out.append(int(hf_logits(hf, out)[-1].argmax()))
-        res.append(out[len(prompt):])
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+            res.append(out[0, len(prompt):].tolist())
     return res
 
 
@@ -98,7 +98,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[in
 def test_loads_packed_and_matches_transformers(case):
     name, root, hf_reads_fp8 = case
     engine = _engine(root / "fp8")
-    model = engine.runner.model
+    model = _LOADED[root] = engine.runner.model
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert fp8 and all(m.qweight.dtype == torch.float8_e4m3fn for m in fp8)
     assert not any(p.dtype == torch.float8_e4m3fn for p in model.parameters())  # no float copy beside them
@@ -122,7 +122,7 @@ def test_logits_match_dequantized_twin(case):
 
 def test_fp8_weight_bytes_are_half_of_bf16(case):
     _, root, _ = case
-    model = _engine(root / "fp8").runner.model
+    model = _LOADED[root]
     layers = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))]
     params = sum(m.num_weight_params() for m in layers)
     weights = sum(m.qweight.nbytes if isinstance(m, FP8Linear) else m.w13.nbytes + m.w2.nbytes for m in layers)
