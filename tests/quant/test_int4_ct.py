@@ -141,3 +141,19 @@ def test_ignored_linear_stays_float(llama):
     assert type(model.lm_head) is not W4Linear
     assert all(type(m) is not Linear or "lm_head" in n for n, m in model.named_modules() if "layers." in n
                and n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")))
+
+
+def test_bfloat16_model(kimi_like):
+    """In bf16 (scales stored in bf16, the C kernel's bf16 path, bf16 experts' activations) the logits
+    stay within bf16 rounding of the dequantized twin run in bf16."""
+    def engine(d):
+        return LLMEngine(model=str(d), dtype="bfloat16", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+
+    model = engine(kimi_like / "int4").runner.model
+    qe = next(m for m in model.modules() if isinstance(m, FusedMoE)).quant_experts
+    assert qe.w13_s.dtype == torch.bfloat16
+    _, got = run_capturing_logits(engine(kimi_like / "int4"), list(PROMPTS[0]), 3)
+    _, ref = run_capturing_logits(engine(kimi_like / "twin"), list(PROMPTS[0]), 3)
+    for a, b in zip(got, ref):
+        scale = float(b.float().abs().max())
+        assert float((a.float() - b.float()).abs().max()) < 0.05 * scale
