@@ -51,7 +51,7 @@ def float_ppl(text_ids) -> float:
     return perplexity(LLMEngine(model=None, quantization="none", max_num_batched_tokens=512), text_ids)
 
 
-@pytest.mark.parametrize("quantization", ["fp8", pytest.param("fp8-block", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
 def test_online_fp8_perplexity_within_2_percent(text_ids, float_ppl, quantization):
     engine = LLMEngine(model=None, quantization=quantization, max_num_batched_tokens=512)
     layers = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
