@@ -267,3 +267,19 @@ def test_renamed_tensor_names_both_sides(tmp_path, tiny_llama):
     msg = str(info.value)
     assert "takes: model.layers.0.self_attn.q.weight" in msg
     assert "1 parameters are missing: model.layers.0.self_attn.qkv_proj.weight (shard 0)" in msg
+
+
+def test_fp8_block_checkpoint_missing_or_misshapen_scale(tmp_path, tiny_llama):
+    """A block-FP8 checkpoint that lacks a scale, or has one of the wrong grid, is refused naming it."""
+    config, tensors = tiny_llama
+    q = _quantized(tensors, "fp8")
+    lacking = {k: v for k, v in q.items() if k != "model.layers.0.self_attn.k_proj.weight_scale_inv"}
+    with pytest.raises(ModelLoadError, match=r"missing tensors: .*qkv_proj\.weight_scale_inv \(shard 1\)"):
+        _load(_write(tmp_path / "a", config, lacking, quantization_config=FP8_CONFIG))
+    bad = dict(q, **{"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 2)})
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight_scale_inv: weight_scale_inv has shape \(2, 2\), "
+                                             r"expected \(1, 1\)"):
+        _load(_write(tmp_path / "b", config, bad, quantization_config=FP8_CONFIG))
+    plain = dict(q, **{"model.layers.0.mlp.down_proj.weight": tensors["model.layers.0.mlp.down_proj.weight"]})
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight: is stored as float32"):
+        _load(_write(tmp_path / "c", config, plain, quantization_config=FP8_CONFIG))
