@@ -166,3 +166,22 @@ def test_scale_fmt_ue8m0_reaches_the_layers(tmp_path):
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert layers and all(m.ue8m0 for m in layers)
     assert "ue8m0" in model.quant_method.describe()
+
+
+def test_fp8_model_compiles_fullgraph(tmp_path_factory):
+    """An FP8 model's forward (DeepSeek: FP8 linears, FP8 experts, MLA reading the dequantized kv_b_proj)
+    traces as one graph and gives the eager logits."""
+    from tokenfab.engine.sequence import Sequence
+
+    _, root, _ = _build("deepseek-edge", tmp_path_factory)
+    eng = _engine(root / "fp8")
+    seqs = [Sequence(f"s{i}", None, list(range(1, n + 1)), SamplingParams(), 0) for i, n in enumerate((5, 3))]
+    for s in seqs:
+        eng.block_manager.allocate(s, s.num_tokens)
+    batch = eng.runner.prepare(seqs, [s.num_tokens for s in seqs], [True, True])
+    model = eng.runner.model
+    with torch.inference_mode():
+        expected = model.compute_logits(model(batch)[batch.logits_indices])
+        compiled = torch.compile(lambda b: model.compute_logits(model(b)[b.logits_indices]), fullgraph=True,
+                                 backend="aot_eager")
+        torch.testing.assert_close(compiled(batch), expected, **LOGIT_TOL)
