@@ -6,19 +6,17 @@
  * (E2M1 codes, E8M0 scales 2^(s-127)), 2 NVFP4 (E2M1 codes, E4M3 scales). Scale storage kinds:
  * 0 float32, 1 bfloat16, 2 float16, 3 E8M0 byte, 4 E4M3 byte.
  *
- * A thread decodes one weight row at a time into a float row (value * scale, rounded to bfloat16
- * when the activations are bfloat16, as the reference rounds the dequantized weight to the
- * activation dtype), then takes its dot product with every activation row: each packed byte is
- * read once per call and the full-precision copy is one row per thread. Sums are float32 in the
- * compiler's vectorized order (the reference differs by summation order only).
+ * A thread decodes one weight row at a time into float rows of its low and high nibbles (value *
+ * scale, rounded to bfloat16 when the activations are bfloat16, as the reference rounds the
+ * dequantized weight to the activation dtype), then takes their dot product with every activation
+ * row (split once into even and odd elements): each packed byte is read once per call and the
+ * full-precision copy is one row per thread. Sums are float32 in the compiler's vectorized order
+ * (the reference differs by summation order only).
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
-
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
@@ -55,63 +53,109 @@ static inline float scale_at(const void *s, int kind, int64_t i) {
 
 static inline size_t scale_bytes(int kind) { return kind == 0 ? 4 : (kind <= 2 ? 2 : 1); }
 
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* nb bytes (a compile-time 16 or 8 after inlining: one vector each) -> their low and high values x s */
+static inline void decode_bytes(const uint8_t *restrict b, float *restrict lo, float *restrict hi, float s,
+                                int int4, int64_t nb) {
+#ifdef __AVX512F__
+    if (nb == 16) { /* 16 bytes: a 16-entry table lookup per nibble in one vpermps */
+        static const float INT4[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+        __m512 table = _mm512_mul_ps(_mm512_loadu_ps(int4 ? INT4 : E2M1), _mm512_set1_ps(s));
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        _mm512_storeu_ps(lo, _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table));
+        _mm512_storeu_ps(hi, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+        return;
+    }
+#endif
+    if (int4) {
+        for (int64_t i = 0; i < nb; i++) {
+            lo[i] = (float)((int)(b[i] & 15) - 8) * s;
+            hi[i] = (float)((int)(b[i] >> 4) - 8) * s;
+        }
+    } else {
+        for (int64_t i = 0; i < nb; i++) {
+            lo[i] = E2M1[b[i] & 15] * s;
+            hi[i] = E2M1[b[i] >> 4] * s;
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* NVFP4: 16 bytes = two groups of 8 bytes (16 values each), scales s0 then s1, one vpermps per nibble */
+static inline void decode_bytes_2x8(const uint8_t *restrict b, float *restrict lo, float *restrict hi, float s0,
+                                    float s1) {
+    __m512 table = _mm512_loadu_ps(E2M1);
+    __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    _mm512_storeu_ps(lo, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table), sv));
+    _mm512_storeu_ps(hi, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), sv));
+}
+#endif
+
+/* One packed row -> lo[j] = value(low nibble of byte j) * scale, hi[j] likewise (K2 bytes). */
+static void decode_row(const uint8_t *restrict qr, const char *sr, int scale_kind, int int4, int64_t k2,
+                       int64_t half_group, float *restrict lo, float *restrict hi) {
+    int64_t full = k2 / half_group, g = 0;
+    if (half_group == 16)
+        for (; g < full; g++) decode_bytes(qr + g * 16, lo + g * 16, hi + g * 16, scale_at(sr, scale_kind, g), int4, 16);
+    else if (half_group == 8) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        if (!int4)
+            for (; g + 1 < full; g += 2)
+                decode_bytes_2x8(qr + g * 8, lo + g * 8, hi + g * 8, scale_at(sr, scale_kind, g),
+                                 scale_at(sr, scale_kind, g + 1));
+#endif
+        for (; g < full; g++) decode_bytes(qr + g * 8, lo + g * 8, hi + g * 8, scale_at(sr, scale_kind, g), int4, 8);
+    }
+    for (; g * half_group < k2; g++) { /* other group sizes, and a ragged last group */
+        int64_t j0 = g * half_group, nb = k2 - j0 < half_group ? k2 - j0 : half_group;
+        decode_bytes(qr + j0, lo + j0, hi + j0, scale_at(sr, scale_kind, g), int4, nb);
+    }
+}
+
 int w4a16_matmul(const void *x, int x_bf16, int64_t sx, const uint8_t *q, int64_t sq, const void *scales,
-                 int scale_kind, int64_t ss, const float *gscale, const float *bias, int codec, int64_t group, int64_t m_rows,
-                 int64_t n, int64_t k, void *out, int out_bf16, int64_t so) {
-    float lut[16];
-    for (int i = 0; i < 16; i++) lut[i] = codec == 0 ? (float)(i - 8) : E2M1[i];
-    const float *xf = (const float *)x;
-    float *xw = NULL;
-    int64_t sxf = sx;
-    if (x_bf16) { /* widen the activations once */
-        xw = malloc(sizeof(float) * (size_t)(m_rows * k > 0 ? m_rows * k : 1));
-        if (!xw) return TF_ENOMEM;
-        for (int64_t r = 0; r < m_rows; r++) widen_bf16((const uint16_t *)x + r * sx, xw + r * k, k);
-        xf = xw;
-        sxf = k;
+                 int scale_kind, int64_t ss, const float *gscale, const float *bias, int codec, int64_t group,
+                 int64_t m_rows, int64_t n, int64_t k, void *out, int out_bf16, int64_t so) {
+    /* The activations split once into even and odd elements ([M, 2, K2], K2 = ceil(K / 2), an odd
+     * K's missing element 0): byte j's low nibble meets x[2j], its high nibble x[2j + 1], so the
+     * decode and the dot run over contiguous arrays (no interleaving shuffles). */
+    const int64_t k2 = (k + 1) / 2, half_group = group / 2;
+    float *xs = malloc(sizeof(float) * (size_t)(m_rows * 2 * k2 > 0 ? m_rows * 2 * k2 : 1));
+    if (!xs) return TF_ENOMEM;
+    for (int64_t r = 0; r < m_rows; r++) {
+        float *ev = xs + r * 2 * k2, *od = ev + k2;
+        for (int64_t j = 0; j < k2; j++) {
+            int64_t i0 = 2 * j, i1 = 2 * j + 1;
+            ev[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * sx + i0]) : ((const float *)x)[r * sx + i0];
+            od[j] = i1 >= k ? 0.0f
+                            : (x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * sx + i1]) : ((const float *)x)[r * sx + i1]);
+        }
     }
     int failed = 0;
     const size_t sb = scale_bytes(scale_kind);
 #pragma omp parallel
     {
-        float *restrict w = malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
-        if (!w) {
+        float *restrict lo = malloc(sizeof(float) * (size_t)(2 * k2 > 0 ? 2 * k2 : 1));
+        float *restrict hi = lo ? lo + k2 : NULL;
+        if (!lo) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < n; row++) {
-            if (!w) continue;
-            const uint8_t *restrict qr = q + row * sq;
-            const char *sr = (const char *)scales + (size_t)(row * ss) * sb;
-            for (int64_t g0 = 0; g0 < k; g0 += group) {
-                float s = scale_at(sr, scale_kind, g0 / group);
-                int64_t g1 = g0 + group < k ? g0 + group : k;
-                /* groups start at even k: byte j holds elements 2j, 2j + 1 */
-                int64_t j1 = g1 >> 1;
-                if (codec == 0) {
-                    for (int64_t j = g0 >> 1; j < j1; j++) {
-                        uint8_t b = qr[j];
-                        w[2 * j] = (float)((int)(b & 15) - 8) * s;
-                        w[2 * j + 1] = (float)((int)(b >> 4) - 8) * s;
-                    }
-                } else {
-                    for (int64_t j = g0 >> 1; j < j1; j++) {
-                        uint8_t b = qr[j];
-                        w[2 * j] = lut[b & 15] * s;
-                        w[2 * j + 1] = lut[b >> 4] * s;
-                    }
-                }
-                if (g1 & 1) w[g1 - 1] = lut[qr[g1 >> 1] & 15] * s; /* an odd K's last element */
-                if (x_bf16)
-                    for (int64_t kk = g0; kk < g1; kk++) w[kk] = round_bf16(w[kk]);
-            }
-            float g = gscale ? gscale[row] : 1.0f;
+            if (!lo) continue;
+            decode_row(q + row * sq, (const char *)scales + (size_t)(row * ss) * sb, scale_kind, codec == 0, k2,
+                       half_group, lo, hi);
+            if (x_bf16) /* the reference rounds the dequantized weight to the activation dtype */
+                for (int64_t j = 0; j < 2 * k2; j++) lo[j] = round_bf16(lo[j]);
+            float gs = gscale ? gscale[row] : 1.0f;
             for (int64_t r = 0; r < m_rows; r++) {
-                const float *restrict xr = xf + r * sxf;
+                const float *restrict ev = xs + r * 2 * k2, *restrict od = ev + k2;
                 float acc = 0.0f;
-                for (int64_t kk = 0; kk < k; kk++) acc += xr[kk] * w[kk];
-                acc *= g;
+                for (int64_t j = 0; j < k2; j++) acc += ev[j] * lo[j] + od[j] * hi[j];
+                acc *= gs;
                 if (bias) acc += bias[row];
                 if (out_bf16)
                     ((uint16_t *)out)[r * so + row] = f32_to_bf16(acc);
@@ -119,8 +163,8 @@ int w4a16_matmul(const void *x, int x_bf16, int64_t sx, const uint8_t *q, int64_
                     ((float *)out)[r * so + row] = acc;
             }
         }
-        free(w);
+        free(lo);
     }
-    free(xw);
+    free(xs);
     return failed ? TF_ENOMEM : TF_OK;
 }
