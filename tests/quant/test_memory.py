@@ -55,4 +55,6 @@ def test_metrics_gauge(folders):
                 or "weight_bytes_per_param{" in ln)
     assert float(line.rsplit(" ", 1)[1]) == pytest.approx(engine.memory["weight_bytes_per_param"])
     assert engine.memory["weight_bytes_per_param"] < 2.0
+    q = next(ln for ln in text.splitlines() if "quantized_weight_bytes_per_param{" in ln)
+    assert 1.0 < float(q.rsplit(" ", 1)[1]) < 1.01  # FP8: one byte a weight, plus the scale grids
 

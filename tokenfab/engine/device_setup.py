@@ -91,6 +91,7 @@ def memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: int =
         "num_params": float(numel),
         "weight_bytes_per_param": (nbytes + copy_bytes) / max(numel, 1),
         "kv_bytes_per_token": float(kv_bytes_per_token(model, dtype)),
+        "quantized_weight_bytes_per_param": qbytes / qnumel if qnumel else 0.0,
     }
 
 

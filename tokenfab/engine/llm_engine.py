@@ -477,5 +477,6 @@ class LLMEngine:
             last_step_decode_tokens=self._last[2],
             weight_bytes_per_param=self.memory["weight_bytes_per_param"],
             kv_bytes_per_token=self.memory["kv_bytes_per_token"],
+            quantized_weight_bytes_per_param=self.memory.get("quantized_weight_bytes_per_param", 0.0),
             **(self.spec.stats() if self.spec is not None else {}),
         )

@@ -25,6 +25,7 @@ class EngineStats:
     last_step_decode_tokens: int
     weight_bytes_per_param: float = 0.0  # as stored (packed GGUF rows: ~0.6-1.1)
     kv_bytes_per_token: float = 0.0
+    quantized_weight_bytes_per_param: float = 0.0  # the tokenfab.quant layers alone (FP8 ~1, 4-bit ~0.5)
     # speculative decoding (0 when off): drafts verified / accepted, sequence-steps that verified,
     # accepted / drafted, tokens per verified sequence-step, seconds proposing / verifying
     spec_draft_tokens_total: int = 0

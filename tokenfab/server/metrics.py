@@ -58,6 +58,8 @@ class _EngineCollector(Collector):
         yield gauge("weight_bytes_per_param", "Weight bytes per model parameter as held in memory.",
                     get("weight_bytes_per_param"))
         yield gauge("kv_cache_bytes_per_token", "KV cache bytes per token.", get("kv_bytes_per_token"))
+        yield gauge("quantized_weight_bytes_per_param", "Weight bytes per parameter of the quantized layers "
+                    "(FP8, INT4, FP4; scales included; 0 without any).", get("quantized_weight_bytes_per_param"))
         yield gauge("prefix_cache_hit_rate", "Prefix cache hit rate (blocks).", get("prefix_cache_hit_rate"))
         yield counter("prompt_tokens", "Prompt tokens received.", get("prompt_tokens_total"))
         yield counter("generation_tokens", "Tokens generated.", get("generation_tokens_total"))
