@@ -205,3 +205,22 @@ def test_even_block_k():
     assert w4a16.even_block_k(128, 14336, 32) == 128
     assert w4a16.even_block_k(128, 160, 32) == 32
     assert w4a16.even_block_k(128, 80, 16) == 128  # nothing divides: keep the tile, mask K
+
+
+@pytest.mark.parametrize("codec", ["int4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_tiles(codec, dtype, gen, monkeypatch):
+    """Above GEMV_MAX_ROWS rows the C kernel dequantizes tiles of weight rows (7 here: a ragged last
+    tile) for torch's GEMM; the result is the reference's."""
+    from tokenfab.kernels.cpu import native_library
+    from tokenfab.kernels.cpu import w4a16 as cw
+
+    if native_library() is None:
+        pytest.skip("no C compiler: the reference is the CPU path")
+    monkeypatch.setattr(cw, "TILE_BYTES", 4 * 96 * 7)
+    q, s, gs = make_weight(codec, 40, 96, gen)
+    gs = torch.linspace(0.01, 0.02, 40) if codec == "nvfp4" else None  # per-row global scales
+    x = torch.randn(cw.GEMV_MAX_ROWS + 5, 96, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    got = cw.w4a16_native(x, as_bytes(q), s, gs, bias, codec, 96)
+    assert_close(got, w4a16_gemm_ref(x, as_bytes(q), s, gs, bias, codec, 96))

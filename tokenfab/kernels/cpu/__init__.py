@@ -121,10 +121,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ggml_isa": [],
         "ggml_amx_probe": [],
         "w4a16_matmul": [p, i32, i64, p, i64, p, i32, i64, p, p, i32, i64, i64, i64, i64, p, i32, i64],
+        "w4a16_dequant": [p, i64, p, i32, i64, i32, i64, i64, i64, p, i32],
     }
     returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
                       "ggml_matmul_f32", "ggml_matmul_q8", "matmul_f32_rowinv", "ggml_isa", "ggml_amx_probe",
-                      "w4a16_matmul"}
+                      "w4a16_matmul", "w4a16_dequant"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM

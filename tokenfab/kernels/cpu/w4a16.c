@@ -168,3 +168,37 @@ int w4a16_matmul(const void *x, int x_bf16, int64_t sx, const uint8_t *q, int64_
     free(xs);
     return failed ? TF_ENOMEM : TF_OK;
 }
+
+/* Rows [0, n) of a packed weight dequantized to float32 [n, k] (value * scale, rounded to bfloat16
+ * precision when to_bf16): the tiles of the prefill path, which multiplies them with torch's GEMM. */
+int w4a16_dequant(const uint8_t *q, int64_t sq, const void *scales, int scale_kind, int64_t ss, int codec,
+                  int64_t group, int64_t n, int64_t k, float *out, int to_bf16) {
+    const int64_t k2 = (k + 1) / 2;
+    int failed = 0;
+    const size_t sb = scale_bytes(scale_kind);
+#pragma omp parallel
+    {
+        float *restrict lo = malloc(sizeof(float) * (size_t)(2 * k2 > 0 ? 2 * k2 : 1));
+        float *restrict hi = lo ? lo + k2 : NULL;
+        if (!lo) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < n; row++) {
+            if (!lo) continue;
+            decode_row(q + row * sq, (const char *)scales + (size_t)(row * ss) * sb, scale_kind, codec == 0, k2,
+                       group / 2, lo, hi);
+            float *restrict o = out + row * k;
+            for (int64_t j = 0; j < k / 2; j++) {
+                o[2 * j] = lo[j];
+                o[2 * j + 1] = hi[j];
+            }
+            if (k & 1) o[k - 1] = lo[k2 - 1];
+            if (to_bf16)
+                for (int64_t i = 0; i < k; i++) o[i] = round_bf16(o[i]);
+        }
+        free(lo);
+    }
+    return failed ? TF_ENOMEM : TF_OK;
+}

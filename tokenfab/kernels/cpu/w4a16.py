@@ -4,8 +4,10 @@
 ``w4a16_native(x, qweight, scales, global_scale, bias, codec, in_features)`` has the reference's
 signature and returns None for what the C kernel does not take (a non-CPU tensor, activations other
 than float32/bfloat16, no compiler, ``TOKENFAB_CPU_NATIVE=0``), so the caller falls back to the
-reference. It decodes one weight row at a time per thread: the packed bytes are read once a call and
-no full-precision copy of the layer is made (the reference dequantizes the whole layer each call).
+reference. Up to ``GEMV_MAX_ROWS`` activation rows (decode) it decodes one weight row at a time per
+thread and takes its dot products: the packed bytes are read once a call. More rows (prefill): the C
+code dequantizes ``TILE_BYTES`` of weight rows at a time for torch's float32 GEMM. Either way no
+full-precision copy of the layer is made (the reference dequantizes the whole layer each call).
 """
 
 from __future__ import annotations
@@ -21,6 +23,34 @@ _CODEC = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _GROUP = {"int4": 32, "mxfp4": 32, "nvfp4": 16}
 _SCALE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ACT = {torch.float32: 0, torch.bfloat16: 1}
+# above this many rows the weight is dequantized a tile of rows at a time (C) and multiplied by torch's
+# GEMM, which is faster than the row-by-row dot products once the activations are a matrix
+GEMV_MAX_ROWS = 16
+TILE_BYTES = 1 << 22  # float32 bytes of one dequantized weight tile
+
+
+def _tiled_gemm(lib, x2, q, s, kind, global_scale, bias, codec, k, out) -> torch.Tensor:
+    """Prefill-sized products: weight rows dequantized TILE_BYTES at a time (rounded to bfloat16 for
+    bfloat16 activations, as the reference does), multiplied in float32, scaled, biased, rounded."""
+    n = q.shape[0]
+    rows = max(1, TILE_BYTES // (4 * k))
+    xf = x2.float()
+    tile = torch.empty(min(rows, n), k, dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = tile[: n1 - n0]
+        status = lib.w4a16_dequant(
+            ctypes.c_void_p(q[n0].data_ptr()), q.stride(0), ctypes.c_void_p(s[n0].data_ptr()), kind, s.stride(0),
+            _CODEC[codec], _GROUP[codec], n1 - n0, k, ctypes.c_void_p(w.data_ptr()), int(x2.dtype == torch.bfloat16),
+        )
+        check_status(status, "w4a16_dequant")
+        y = xf @ w.T
+        if global_scale is not None:
+            y *= global_scale.reshape(-1).float()[n0:n1] if global_scale.numel() > 1 else global_scale.float()
+        if bias is not None:
+            y += bias[n0:n1].float()
+        out[:, n0:n1] = y
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -73,6 +103,8 @@ def w4a16_native(
     q = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     s = scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
     s = s if s.stride(-1) == 1 else s.contiguous()
+    if m > GEMV_MAX_ROWS:
+        return _tiled_gemm(lib, x2, q, s, kind, global_scale, bias, codec, in_features, out).view(*shape[:-1], n)
     g = None
     if global_scale is not None:
         g = global_scale.reshape(-1).float().expand(n).contiguous()
