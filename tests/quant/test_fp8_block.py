@@ -102,6 +102,8 @@ def test_loads_packed_and_matches_transformers(case):
     fp8 = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert fp8 and all(m.qweight.dtype == torch.float8_e4m3fn for m in fp8)
     assert not any(p.dtype == torch.float8_e4m3fn for p in model.parameters())  # no float copy beside them
+    # built with its layers' weights on "meta": every tensor was allocated for real afterwards
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if name.startswith("deepseek"):
         experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
         assert experts and all(e.w13.dtype == torch.float8_e4m3fn for e in experts)
@@ -185,3 +187,24 @@ def test_fp8_model_compiles_fullgraph(tmp_path_factory):
         compiled = torch.compile(lambda b: model.compute_logits(model(b)[b.logits_indices]), fullgraph=True,
                                  backend="aot_eager")
         torch.testing.assert_close(compiled(batch), expected, **LOGIT_TOL)
+
+
+def test_quantized_build_never_allocates_the_float_weights(tmp_path, monkeypatch):
+    """The float weights of the layers FP8 replaces are never allocated: building the model for a
+    quantized checkpoint creates them on "meta"; tied embeddings stay tied after materializing."""
+    from tokenfab.quant import apply
+
+    seen: list[torch.device] = []
+    original = apply.apply_quant_method
+
+    def spy(model, method):
+        seen.extend(m.weight.device for m in model.modules() if type(m).__name__ in ("Linear", "MergedLinear"))
+        return original(model, method)
+
+    monkeypatch.setattr(apply, "apply_quant_method", spy)
+    save_tiny_model(tiny_config("qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True),
+                    tmp_path / "src")
+    write_fp8_block_checkpoint(tmp_path / "src", tmp_path / "fp8")
+    model = _engine(tmp_path / "fp8").runner.model
+    assert seen and all(d.type == "meta" for d in seen)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

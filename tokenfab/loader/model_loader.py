@@ -35,13 +35,21 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max_position: int, source: Path):
+def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max_position: int, source: Path,
+           meta_weights: bool = False):
+    """The model, its weights allocated (uninitialised) on ``device``; ``meta_weights``: the layers'
+    weights on "meta" (tokenfab.quant.apply.weights_on_meta), for a quantized build."""
     try:
         cls = resolve_model_class(arch)
     except KeyError as e:
         raise ModelLoadError(source, str(e.args[0])) from e
     with _default_dtype(dtype), torch.device(device):
-        return cls(config, max_position=max_position)
+        if not meta_weights:
+            return cls(config, max_position=max_position)
+        from tokenfab.quant.apply import weights_on_meta
+
+        with weights_on_meta():
+            return cls(config, max_position=max_position)
 
 
 def _hf_tokenizer(model_dir: Path) -> Any | None:
@@ -131,17 +139,19 @@ def load_model(
     else:
         raise ModelLoadError(path, "expected a model directory or a .gguf file")
     max_len = min(max_model_len or config_max_len(config), config_max_len(config))
-    model = _build(arch, config, dtype, device, max_len, path)
+    # quantized: the float weights of the layers the format replaces are never allocated
+    model = _build(arch, config, dtype, device, max_len, path, meta_weights=quant_method is not None)
     if quant_method is not None:
-        from tokenfab.quant.apply import apply_quant_method
+        from tokenfab.quant.apply import apply_quant_method, materialize
         from tokenfab.quant.config import UnsupportedQuantization
 
         try:
-            with torch.device(device):
+            with _default_dtype(dtype), torch.device(device):
                 apply_quant_method(model, quant_method)
         except UnsupportedQuantization as e:  # a layer the format's variant cannot serve
             where = path / "config.json" if path.is_dir() else path
             raise ModelLoadError(where, f"unsupported quantized checkpoint: {quant_method.describe()}: {e}") from e
+        materialize(model, device)
         model.quant_method = quant_method
     if path.suffix == ".gguf" and gguf_act is not None:
         from tokenfab.loader.gguf_packed import load_gguf_packed

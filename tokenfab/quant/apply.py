@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tokenfab.layers.linear import Linear, MergedLinear
 from tokenfab.quant.base import QuantMethod
@@ -55,3 +60,39 @@ def apply_quant_method(model: nn.Module, method: QuantMethod) -> int:
                     child.set_quant_experts(experts)
                     swapped += 1
     return swapped
+
+
+class _EmptyOnMeta(TorchFunctionMode):
+    """``torch.empty`` without an explicit device allocates on "meta" (no memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def weights_on_meta() -> Iterator[None]:
+    """Build a model whose layers' weights (``torch.empty`` parameters: linears, stacked experts,
+    embeddings) take no memory yet, so that a quantized checkpoint never needs the float model's
+    memory: the layers the format quantizes are swapped before any weight is allocated, and
+    :func:`materialize` allocates the rest. Enter it inside the ``torch.device`` context of the build."""
+    with _EmptyOnMeta():
+        yield
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised, on ``device``) every parameter still on "meta" after the swap; the
+    weight loader fills them. Tied parameters stay tied. A meta buffer would be one a layer computed
+    at build time from an empty tensor: a ValueError (the model cannot be built this way)."""
+    fresh: dict[int, nn.Parameter] = {}
+    for mod_name, mod in model.named_modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                mod._parameters[name] = fresh[id(p)]
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                raise ValueError(f"{mod_name}.{name} was computed from an uninitialised tensor while building")
