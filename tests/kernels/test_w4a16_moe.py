@@ -121,3 +121,24 @@ def test_native_path_matches_reference(codec, dtype, gen):
     b13, b2 = torch.randn(e, 2 * i, generator=gen).to(dtype), torch.randn(e, h, generator=gen).to(dtype)
     args = (x, q13, s13, q2, s2, tw, ids, b13, b2, g13, g2, codec, "swiglu_oai")
     assert_close(moe_w4a16.fused_experts_w4a16_native(*args), moe_w4a16.fused_experts_w4a16_ref(*args))
+
+
+def test_nvfp4_gate_and_up_global_scales(device, gen):
+    """NVFP4 checkpoints scale gate and up apart (w13_g [E, 2]): the reference equals fused_experts_ref
+    on the dequantized experts, and the Triton and C paths equal the reference."""
+    from tests.kernels.tolerances import TOLERANCES
+
+    e, h, i = 4, 64, 32
+    (q13, s13, _), (q2, s2, g2) = make_experts("nvfp4", e, h, i, gen)
+    g13 = torch.rand(e, 2, generator=gen) * 0.02 + 0.01
+    x = torch.randn(6, h, generator=gen)
+    tw, ids = routing(6, e, 2, gen)
+    w13 = torch.stack([dequantize_w4(q13[j], s13[j], "nvfp4", h) * g13[j].repeat_interleave(i)[:, None]
+                       for j in range(e)])
+    w2 = torch.stack([dequantize_w4(q2[j], s2[j], "nvfp4", i) * g2[j] for j in range(e)])
+    args = (x, q13, s13, q2, s2, tw, ids, None, None, g13, g2, "nvfp4")
+    want = moe_w4a16.fused_experts_w4a16_ref(*args)
+    torch.testing.assert_close(want, fused_experts_ref(x, w13, w2, tw, ids), **TOLERANCES[torch.float32])
+    got = moe_w4a16._fused_experts_w4a16_triton(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args])
+    assert_close(got, want.to(device))
+    assert_close(moe_w4a16.fused_experts_w4a16_native(*args), want)
