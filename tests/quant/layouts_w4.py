@@ -17,6 +17,7 @@ replaced by exactly the values its codes encode (a float model loading the twin 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -150,7 +151,8 @@ def nvfp4_quantize(w: torch.Tensor):
 
 def write_nvfp4_checkpoint(src: Path, dst: Path, exclude: list[str] | None = None,
                            via_config: bool = False) -> dict[str, torch.Tensor]:
-    """Every 2-D linear ``*.weight`` except ``exclude`` (default lm_head) becomes NVFP4. The format is
+    """Every 2-D linear ``*.weight`` except ``exclude`` (names or globs; default lm_head) becomes NVFP4
+    (MoE experts too, one by one: ``experts.{e}.{gate,up,down}_proj.*``). The format is
     declared in ``hf_quant_config.json`` (ModelOpt's export), or with ``via_config`` in config.json's
     ``quantization_config`` (``quant_method: "modelopt"``)."""
     exclude = ["lm_head"] if exclude is None else exclude
@@ -160,7 +162,7 @@ def write_nvfp4_checkpoint(src: Path, dst: Path, exclude: list[str] | None = Non
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
         linear = name.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in name
-        if linear and module not in exclude:
+        if linear and not any(module == p or fnmatch.fnmatchcase(module, p) for p in exclude):
             packed, bs, gs, deq = nvfp4_quantize(t)
             out[name], out[module + ".weight_scale"], out[module + ".weight_scale_2"] = packed, bs, gs
             out[module + ".input_scale"] = torch.tensor(1.0 / 448.0)

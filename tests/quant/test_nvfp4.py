@@ -92,3 +92,32 @@ def test_unsupported_variants_are_refused(tmp_path, change, match):
     path.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match):
         _engine(tmp_path / "q")
+
+
+def test_moe_experts_nvfp4(tmp_path):
+    """A tiny Qwen3-MoE with every linear NVFP4 (experts one by one, gate and up with their own global
+    scales) but lm_head and the routers: experts stay packed, logits equal the dequantized twin's,
+    greedy tokens equal transformers' on the twin."""
+    import transformers
+
+    from tests.moe_tiny_models import tiny_moe_config
+    from tokenfab.layers.moe import FusedMoE
+    from tokenfab.quant.nvfp4 import Nvfp4Experts
+
+    save_tiny_model(tiny_moe_config("qwen3_moe"), tmp_path / "plain")
+    twin = write_nvfp4_checkpoint(tmp_path / "plain", tmp_path / "nvfp4",
+                                  exclude=["lm_head", "model.layers.*.mlp.gate"])
+    write_twin(tmp_path / "plain", tmp_path / "twin", twin)
+    engine = _engine(tmp_path / "nvfp4")
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(isinstance(m.quant_experts, Nvfp4Experts) for m in moes)
+    assert all(not bool((m.quant_experts.w13_g[:, 0] == m.quant_experts.w13_g[:, 1]).all()) for m in moes)
+    tokens, logits = run_capturing_logits(engine, list(PROMPTS[0]), STEPS)
+    _, twin_logits = run_capturing_logits(_engine(tmp_path / "twin"), list(PROMPTS[0]), STEPS)
+    for a, b in zip(logits, twin_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "twin", dtype=torch.float32).eval()
+    ids = list(PROMPTS[0])
+    for _ in range(STEPS):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    assert tokens == ids[len(PROMPTS[0]):]

@@ -12,8 +12,9 @@ Hopper has no FP4 tensor cores, so the weights are dequantized in registers by t
 and unused. A merged projection (qkv, gate_up) keeps each shard's global scale on its rows. The
 kernel's docstring says where a Blackwell FP4 tensor-core path slots in.
 
-Supported: dense linears. ``exclude_modules`` entries are module names or globs (``*``). NVFP4
-MoE experts and other ModelOpt algorithms (FP8, W4A8_AWQ) are refused with the variant named;
+Supported: dense linears and MoE experts (per-expert tensors; gate and up keep their own global
+scales). ``exclude_modules`` entries are module names or globs (``*``). Other ModelOpt algorithms
+(FP8, W4A8_AWQ) are refused with the variant named;
 an FP8 KV-cache setting (``kv_cache_quant_algo``) is not applied (the cache keeps the model
 dtype) and is reported in ``describe()``.
 """
@@ -22,11 +23,78 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
-from tokenfab.quant.base import QuantMethod
+from tokenfab.kernels.moe_w4a16 import fused_experts_w4a16_eager
+from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
 from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
 from tokenfab.quant.w4_linear import w4_linear_like
+
+
+class Nvfp4Experts(QuantizedModule):
+    """A FusedMoE's experts in NVFP4, from per-expert ``experts.{e}.{gate,up,down}_proj.*`` tensors:
+    ``w13_q`` uint8 [E, 2I, H/2] (gate rows then up rows), ``w13_s`` E4M3 bits [E, 2I, H/16], ``w13_g``
+    float32 [E, 2] (gate's and up's ``weight_scale_2``), ``w2_q`` [E, H, I/2], ``w2_s``, ``w2_g`` [E]."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+        if h % 16 or i % 16:
+            raise ValueError(f"NVFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples of 16")
+        if moe.w13_bias is not None:
+            raise ValueError("NVFP4 experts with biases are not supported")
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        self.activation, self.swiglu_alpha, self.swiglu_limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
+        u8 = torch.uint8
+        self.register_buffer("w13_q", torch.zeros(e, 2 * i, h // 2, dtype=u8))
+        self.register_buffer("w13_s", torch.zeros(e, 2 * i, h // 16, dtype=u8))
+        self.register_buffer("w13_g", torch.ones(e, 2, dtype=torch.float32))
+        self.register_buffer("w2_q", torch.zeros(e, h, i // 2, dtype=u8))
+        self.register_buffer("w2_s", torch.zeros(e, h, i // 16, dtype=u8))
+        self.register_buffer("w2_g", torch.ones(e, dtype=torch.float32))
+        self._expected |= {(f"{kind}.{sfx}", x) for kind in ("gate", "up", "down") for x in range(e)
+                           for sfx in ("weight", "weight_scale", "weight_scale_2")}
+
+    def missing(self) -> list[str]:
+        return sorted(f"experts.{x}.{s}" for s, x in self._expected - self._got)
+
+    def num_weight_params(self) -> int:
+        return self.num_experts * 3 * self.intermediate_size * self.hidden_size
+
+    def load_expert(self, kind: str, suffix: str, tensor: torch.Tensor, expert: int | None) -> None:
+        if kind not in ("gate", "up", "down") or expert is None or not 0 <= expert < self.num_experts:
+            raise ValueError(f"NVFP4 experts take per-expert gate/up/down tensors, not {kind} of expert {expert}")
+        i, h = self.intermediate_size, self.hidden_size
+        rows, k = (h, i) if kind == "down" else (i, h)
+        sl = slice(None) if kind == "down" else slice(0, i) if kind == "gate" else slice(i, 2 * i)
+        what = f"expert {expert} {kind} {suffix}"
+        if suffix == "weight":
+            if tensor.dtype != torch.uint8:
+                raise ValueError(f"{what} must be uint8 (two E2M1 codes a byte), got {tensor.dtype}")
+            check_shape(what, tensor, (rows, k // 2))
+            (self.w2_q if kind == "down" else self.w13_q)[expert, sl].copy_(tensor)
+        elif suffix == "weight_scale":
+            if tensor.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{what} must be float8_e4m3fn, got {tensor.dtype}")
+            check_shape(what, tensor, (rows, k // 16))
+            (self.w2_s if kind == "down" else self.w13_s)[expert, sl].copy_(tensor.view(torch.uint8))
+        elif suffix == "weight_scale_2":
+            if tensor.numel() != 1:
+                raise ValueError(f"{what} must be one value, got shape {tuple(tensor.shape)}")
+            if kind == "down":
+                self.w2_g[expert] = tensor.float().reshape(())
+            else:
+                self.w13_g[expert, 0 if kind == "gate" else 1] = tensor.float().reshape(())
+        elif suffix != "input_scale":  # FP4 activations' scale: W4A16 keeps activations in 16 bits
+            raise ValueError(f"NVFP4 experts have no {suffix} tensor ({what})")
+        self._got.add((f"{kind}.{suffix}", expert))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts_w4a16_eager(
+            x, self.w13_q, self.w13_s, self.w2_q, self.w2_s, topk_weights, topk_ids, None, None, self.w13_g,
+            self.w2_g, "nvfp4", self.activation, self.swiglu_alpha, self.swiglu_limit,
+        )
 
 
 class Nvfp4Method(QuantMethod):
@@ -46,7 +114,7 @@ class Nvfp4Method(QuantMethod):
         return w4_linear_like(linear, "nvfp4")
 
     def make_experts(self, moe: nn.Module, module_name: str) -> nn.Module | None:
-        raise ValueError(f"{module_name}: NVFP4 MoE experts are not supported yet (dense NVFP4 linears are)")
+        return Nvfp4Experts(moe)
 
     def bytes_per_param(self) -> float:
         return 0.5 + 1 / 16  # a nibble plus an E4M3 scale per 16 weights
