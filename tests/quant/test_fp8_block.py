@@ -145,7 +145,7 @@ def test_w8a8_path(name, tmp_path_factory, monkeypatch):
     from tokenfab.quant import fp8_experts
 
     _, root, _ = _build(name, tmp_path_factory)  # odd shapes; the interpreter is slow, so two cases
-    w8a8 = lambda t: "triton"  # noqa: E731
+    w8a8 = lambda t, native=False: "triton"  # noqa: E731
     monkeypatch.setattr(quant, "backend", w8a8)  # the FP8 layers take the W8A8 route
     monkeypatch.setattr(fp8_experts, "backend", w8a8)
     _, w8a8_ref = run_capturing_logits(_engine(root / "fp8"), PROMPTS[1], 2)

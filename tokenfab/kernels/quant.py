@@ -321,14 +321,21 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_n: int
     shape = x.shape
     n, k = w.shape
     x2 = x.reshape(-1, k)
-    if backend(x) != "triton":
+    choice = backend(x, native=True)
+    if choice != "triton":
         if cpu_act_quant:
             if act == "group":
                 q, a_s = per_token_group_quant_fp8_ref(x2, GROUP_K, ue8m0)
             else:
                 q, a_s = quantize_per_token_fp8(x2, input_scale if act == "static" else None)
             x2 = dequantize_fp8(q, a_s, 1, x.dtype)
-        out = F.linear(x2, dequantize_fp8(w, w_s, group_n, x.dtype), bias)
+        out = None
+        if choice == "native" and not torch.compiler.is_compiling():  # the C kernel (cpu/fp8_matmul.c)
+            from tokenfab.kernels.cpu.fp8_matmul import fp8_linear_native
+
+            out = fp8_linear_native(x2, w, w_s, group_n, bias)
+        if out is None:
+            out = F.linear(x2, dequantize_fp8(w, w_s, group_n, x.dtype), bias)
         return out.view(*shape[:-1], n)
     if act == "group":
         q, a_s = per_token_group_quant_fp8(x2, GROUP_K, ue8m0)
