@@ -5,20 +5,24 @@ gate rows then its up rows; ``w2`` [E, H, I]) with their scale grids: block FP8 
 expert projection; when I is not a multiple of 128 the gate/up grids are kept per row, as in
 FP8Linear) or per channel. On GPU (Triton) block-FP8 experts run the W8A8 fused MoE
 (``kernels/moe_fp8.py``: activations quantized per token and 128 channels, the float8 experts read
-by the grouped GEMMs). On CPU, and for per-channel experts, the layer's experts are dequantized for
-the call only and run the plain fused-experts path (weight-only; transformers' numbers on CPU).
+by the grouped GEMMs). On CPU each expert that received tokens is dequantized for its product only
+(C kernel for float32; weight-only: transformers' numbers on CPU); per-channel experts on GPU are
+dequantized for the call and run the plain fused-experts path.
 The weights stay float8 in memory either way.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.kernels._dispatch import backend
+from tokenfab.kernels.cpu.fp8_matmul import fp8_dequant_native
 from tokenfab.kernels.moe import fused_experts
 from tokenfab.kernels.moe_fp8 import fused_experts_fp8
-from tokenfab.kernels.quant import FP8
+from tokenfab.kernels.moe_gemm import moe_activation_ref
+from tokenfab.kernels.quant import FP8, dequantize_fp8
 from tokenfab.quant.base import QuantizedModule, check_shape
 
 BLOCK = 128
@@ -109,9 +113,42 @@ class FP8Experts(QuantizedModule):
             # W8A8 fused MoE: the float8 experts read by the grouped GEMMs, no dequantized copy
             return fused_experts_fp8(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_13,
                                      self.group_2, topk_weights, topk_ids, self.ue8m0)
+        if not x.is_cuda and backend(x) != "triton" and not torch.compiler.is_compiling():
+            return self._forward_cpu(x, topk_weights, topk_ids)
         w13, w2 = self.dequantized(x.dtype)
         return fused_experts(x, w13, w2, topk_weights, topk_ids, None, None, self.activation,
                              self.swiglu_alpha, self.swiglu_limit)
+
+    def _expert(self, which: str, e: int, native: bool) -> torch.Tensor:
+        """One expert's projection dequantized to float32 (the C kernel when ``native``, else torch)."""
+        w, s = getattr(self, which)[e], getattr(self, f"{which}_scale")[e]
+        group = self.group_13 if which == "w13" else self.group_2
+        out = fp8_dequant_native(w, s, group) if native else None
+        return out if out is not None else dequantize_fp8(w, s, group, torch.float32)
+
+    def _forward_cpu(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """fused_experts_ref's loop over the experts that received tokens, each expert dequantized for
+        its product only (never the whole layer)."""
+        t, h = x.shape
+        k = topk_ids.shape[1]
+        if t == 0:
+            return x.new_empty(0, h)
+        out = x.new_empty(t * k, h)
+        flat = topk_ids.reshape(-1).long()
+        wflat = topk_weights.reshape(-1).float()
+        order = torch.argsort(flat, stable=True)
+        start = 0
+        native = backend(x, native=True) == "native"
+        for e, c in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if c == 0:
+                continue
+            pairs = order[start:start + c]
+            start += c
+            gu = F.linear(x[pairs // k].float(), self._expert("w13", e, native))
+            act = moe_activation_ref(gu, self.activation, self.swiglu_alpha, self.swiglu_limit).to(x.dtype)
+            y = F.linear(act.float(), self._expert("w2", e, native))
+            out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
+        return out.view(t, k, h).float().sum(dim=1).to(x.dtype)
 
     def num_weight_params(self) -> int:
         return self.w13.numel() + self.w2.numel()
