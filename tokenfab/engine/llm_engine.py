@@ -45,6 +45,10 @@ class LLMEngine:
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
+        if spec_config is not None:  # verify rows must round as decode rows do (layers/linear.py)
+            from tokenfab.layers.linear import set_batch_invariant
+
+            set_batch_invariant(True)
         self.args = args
         self.scheduling_policy = args.scheduling_policy
         self.device = resolve_device(args.device)
