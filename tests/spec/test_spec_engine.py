@@ -26,6 +26,7 @@ from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.sequence import Sequence
 from tokenfab.spec.config import SpeculativeConfig
 from tokenfab.spec.ngram import NgramProposer
+from tokenfab.spec.step import make_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PASSAGES = [
@@ -116,13 +117,16 @@ def test_ngram_greedy_identical_alone_and_batched(spec, reference):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_suffix_greedy_identical_batched(reference):
+def test_suffix_greedy_identical_batched(spec, reference):
     prompts, params, ref = reference
-    llm = LLM(num_kv_blocks=400, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
-    assert run(llm, prompts, params) == ref
-    assert run(llm, prompts[:4], params) == ref[:4]  # again: the global tree now holds these outputs
-    st = llm.engine.get_stats()
-    assert st.spec_verified_total > 0 and st.spec_accepted_tokens_total > 0
+    cfg = SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 4})
+    old = with_proposer(spec, make_proposer(cfg))
+    try:
+        assert run(spec, prompts, params) == ref
+        assert run(spec, prompts[:4], params) == ref[:4]  # again: the global tree now holds these outputs
+        assert spec.engine.spec.num_verified > 0 and spec.engine.spec.num_accepted_tokens > 0
+    finally:
+        spec.engine.spec.proposer = old
 
 
 def test_oracle_self_draft_accepts_everything(spec, plain):
