@@ -18,22 +18,30 @@ custom-op dispatcher on CPU).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Literal
 
 import torch
 
 from tokenfab.kernels.cpu import enabled as native_enabled
+from tokenfab.kernels.cpu import getenv
 
 Backend = Literal["triton", "native", "reference"]
 MODES = ("auto", "triton", "torch")
+_last: tuple[str, str] = ("auto", "auto")  # (raw TOKENFAB_KERNELS, its mode): skip re-parsing
 
 
 def kernel_mode() -> str:
-    mode = os.environ.get("TOKENFAB_KERNELS", "auto").lower()
+    """``TOKENFAB_KERNELS`` (auto, triton or torch), read on every call (tests change it) but cheaply:
+    ``backend`` runs ~700 times a decoded token."""
+    global _last
+    raw = getenv("TOKENFAB_KERNELS", "auto")
+    if raw == _last[0]:
+        return _last[1]
+    mode = raw.lower()
     if mode not in MODES:
         raise ValueError(f"TOKENFAB_KERNELS must be auto, triton or torch, not {mode!r}")
+    _last = (raw, mode)
     return mode
 
 
