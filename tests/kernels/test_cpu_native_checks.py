@@ -52,6 +52,44 @@ def test_block_id_outside_the_cache(gen, decode, bad):
             na.paged_attention_native(q, kc, vc, bt, cu, ctx, 0.2)
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_index_checks_run_once_a_step_but_see_every_change(gen, decode, monkeypatch):
+    """Every layer of a step passes the same index tensors: they are checked once (the numpy
+    reductions of checks.check_paged_indices), yet an in-place change, a new tensor or another
+    cache is checked again."""
+    from tokenfab.kernels.cpu import checks
+
+    q, kc, vc, bt, cu, ctx = _decode(gen) if decode else _prefill(gen)
+    calls = []
+    real = checks.check_paged_indices
+    monkeypatch.setattr(checks, "check_paged_indices", lambda *a: calls.append(1) or real(*a))
+
+    def run(q=q, kc=kc, vc=vc, bt=bt, ctx=ctx):
+        if decode:
+            return na.paged_decode_attention_native(q, kc, vc, bt, ctx, 0.2)
+        return na.paged_attention_native(q, kc, vc, bt, cu, ctx, 0.2)
+
+    first = run()
+    for _ in range(3):  # "layers"
+        assert torch.equal(run(), first)
+    assert len(calls) == 1
+    bt[1, 2] = kc.shape[0]  # in place: the version counter moves
+    with pytest.raises(ValueError, match="block id"):
+        run()
+    bad = bt.clone()  # a new tensor with the same bad id
+    with pytest.raises(ValueError, match="block id"):
+        run(bt=bad)
+    bt[1, 2] = 0
+    run()
+    n = len(calls)
+    with pytest.raises(ValueError, match="block id"):  # fewer blocks: block 0..2 of a 2-block cache
+        run(kc=kc[:2], vc=vc[:2])
+    assert len(calls) == n + 1
+    if not decode:
+        with pytest.raises(ValueError, match="ending at"):  # same indices, fewer query rows
+            na.paged_attention_native(q[:-1], kc, vc, bt, cu, ctx, 0.2)
+
+
 def test_context_longer_than_its_block_table(gen):
     q, kc, vc, bt, _, ctx = _decode(gen)
     ctx[2] = bt.shape[1] * 16 + 1

@@ -60,6 +60,42 @@ def check_paged_attention(
         raise ValueError(f"block_tables has {b} rows for {ctx.shape[0]} sequences")
     if sinks is not None and sinks.numel() != hq:
         raise ValueError(f"sinks has {sinks.numel()} entries for {hq} query heads")
+    if not indices_checked(tables, ctx, cu, nb, bs, t):
+        check_paged_indices(tables, ctx, cu, nb, bs)
+        remember_checked(tables, ctx, cu, nb, bs, t)
+
+
+# The index tensors of the last batch whose indices passed, with their version counters, the
+# cache geometry and the query-row count: every layer of a step passes the same (int32,
+# contiguous) tensors, so the numpy reductions run once a step, not once a layer. Holding the
+# tensors keeps their ids from being reused; an in-place change bumps a version and the next call
+# checks again.
+_last_checked: tuple | None = None
+
+
+def _versions(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None) -> tuple[int, int, int]:
+    return tables._version, ctx._version, -1 if cu is None else cu._version
+
+
+def indices_checked(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None, nb: int, bs: int,
+                    t: int) -> bool:
+    """Whether exactly these index tensors (unchanged since) already passed for this cache geometry
+    (``nb`` blocks of ``bs``) and ``t`` query rows."""
+    m = _last_checked
+    return (m is not None and m[0] is tables and m[1] is ctx and m[2] is cu
+            and m[3] == _versions(tables, ctx, cu) and m[4:] == (nb, bs, t))
+
+
+def remember_checked(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None, nb: int, bs: int,
+                     t: int) -> None:
+    global _last_checked
+    _last_checked = (tables, ctx, cu, _versions(tables, ctx, cu), nb, bs, t)
+
+
+def check_paged_indices(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None, nb: int, bs: int) -> None:
+    """Contexts in [0, what the table covers], every block a context reaches inside the cache's
+    ``nb`` blocks, ``cu`` starting at 0."""
+    b, w = tables.shape
     if b == 0:
         return
     if cu is not None and int(cu.numpy()[0]) != 0:
