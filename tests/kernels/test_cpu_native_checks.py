@@ -88,6 +88,14 @@ def test_index_checks_run_once_a_step_but_see_every_change(gen, decode, monkeypa
     if not decode:
         with pytest.raises(ValueError, match="ending at"):  # same indices, fewer query rows
             na.paged_attention_native(q[:-1], kc, vc, bt, cu, ctx, 0.2)
+    with torch.inference_mode():  # inference tensors have no version counter: checked every time
+        bt_i, ctx_i = bt.clone(), ctx.clone()
+        n = len(calls)
+        run(bt=bt_i, ctx=ctx_i)
+        bt_i[1, 2] = kc.shape[0]
+        with pytest.raises(ValueError, match="block id"):
+            run(bt=bt_i, ctx=ctx_i)
+        assert len(calls) == n + 2
 
 
 def test_context_longer_than_its_block_table(gen):

@@ -73,7 +73,11 @@ def check_paged_attention(
 _last_checked: tuple | None = None
 
 
-def _versions(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None) -> tuple[int, int, int]:
+def _versions(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """The tensors' version counters; None for inference tensors (made under torch.inference_mode),
+    which have none: an in-place change of them could not be seen, so they are checked every time."""
+    if tables.is_inference() or ctx.is_inference() or (cu is not None and cu.is_inference()):
+        return None
     return tables._version, ctx._version, -1 if cu is None else cu._version
 
 
@@ -89,7 +93,8 @@ def indices_checked(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | 
 def remember_checked(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None, nb: int, bs: int,
                      t: int) -> None:
     global _last_checked
-    _last_checked = (tables, ctx, cu, _versions(tables, ctx, cu), nb, bs, t)
+    v = _versions(tables, ctx, cu)
+    _last_checked = None if v is None else (tables, ctx, cu, v, nb, bs, t)
 
 
 def check_paged_indices(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None, nb: int, bs: int) -> None:
