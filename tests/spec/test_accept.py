@@ -277,3 +277,33 @@ def test_a_request_draws_the_same_alone_and_batched():
         alone = accept_tokens(logits[r:r + k + 1], [s], [d], eos_ids=[], draft_probs=qs[q:q + k])
         assert alone == [want]
         r, q = r + k + 1, q + k
+
+
+def test_point_mass_drafts_emit_exactly_the_plain_samplers_tokens():
+    """With point-mass drafts, every emitted token is the plain sampler's draw at its position:
+    a seeded sampled request gives the same tokens with and without speculation."""
+    g = torch.Generator().manual_seed(5)
+    v, k, n = 40, 4, 200
+    params = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, max_tokens=1000)
+    seqs = [_seq(params, seed=300 + i, out=[1] * (i % 3)) for i in range(n)]
+    logits = torch.randn(n * (k + 1), v, generator=g) * 2
+    plain = []  # the plain sampler's token at each verify row (its own position's seed)
+    for i, s in enumerate(seqs):
+        row = []
+        for j in range(k + 1):
+            at = _seq(params, seed=300 + i, out=[1] * (s.num_output_tokens + j))
+            row.append(int(sample_tokens(logits[i * (k + 1) + j][None], [at], [0])))
+        plain.append(row)
+    # drafts: the plain draws, with a deliberate miss at a random place (or none)
+    drafts = []
+    for row in plain:
+        d = row[:k]
+        miss = int(torch.randint(0, k + 1, (1,), generator=g))
+        if miss < k:
+            d[miss] = (d[miss] + 1) % v
+        drafts.append(d)
+    out = accept_tokens(logits, seqs, drafts, eos_ids=[])
+    for row, d, o in zip(plain, drafts, out):
+        m = next((j for j in range(k) if d[j] != row[j]), k)
+        assert o == row[: m + 1]
+    assert {len(o) for o in out} == set(range(1, k + 2))  # every accepted length occurs

@@ -15,15 +15,24 @@ batch at once, which draft tokens stand and which one token follows them:
   target's own sampling would have drawn it: P(emit x) = min(p, q)(x) + (1 - sum min(p, q)) *
   (p - q)+(x) / sum (p - q)+ = p(x).
 
+  Point-mass drafts (``draft_probs`` None) take the rule in its coupled form: row j's token is the
+  plain sampler's own draw x_j (``kernels.sample``, stream 0 below), the draft is accepted iff
+  x_j == d_j, and at the first mismatch x_j is emitted. That is the same rule in distribution
+  (accepted with probability p(d) = min(1, p(d)/1); after a rejection x ~ p restricted to x != d,
+  i.e. norm(max(p - q, 0)) for q = one-hot(d)), with the same acceptance rate, and it makes a seeded
+  sampled request emit exactly the tokens it would emit without speculation (given verify logits
+  equal to decode logits, as for greedy).
+
 Randomness is counter-based, as in the plain sampler: the draws of output position n + j of a
 request (n = tokens it has generated, j = verify row) come from ``step_seed(base_seed, n + j)``,
 split into sub-streams, so they depend on the request's seed and position only, never on the batch
 or on k. Each output position is decided exactly once (a step ends at its first rejection, and the
 next step starts after it), so no uniform is ever used for two decisions:
 
-- stream 0 (the plain sampler's own seed): the bonus token, drawn by ``kernels.sample`` itself, so
-  with k = 0 this module emits exactly the token a plain decode step would;
-- stream ``ACCEPT_STREAM``: the uniform u of the accept test;
+- stream 0 (the plain sampler's own seed): the bonus token, and every row of point-mass drafts,
+  drawn by ``kernels.sample`` itself, so with k = 0 this module emits exactly the token a plain
+  decode step would;
+- stream ``ACCEPT_STREAM``: the uniform u of the accept test (drafts with ``draft_probs``);
 - stream ``RESIDUAL_STREAM``: the one uniform of the draw from max(p - q, 0) after a rejection
   (inverse CDF: the first token whose cumulative residual mass exceeds u times the total).
 A draft model that samples its drafts must draw them independently of these, e.g. from
@@ -168,24 +177,24 @@ def accept_tokens(
         token = torch.where(greedy_row, best, token)
 
     params = [s.params for s, k in zip(seqs, ks) for _ in range(k + 1)]
-    sampled_bonus = [i for i, t in enumerate(temps) if t != 0.0 and flat_draft[i] < 0]
-    sampled_draft = [i for i, t in enumerate(temps) if t != 0.0 and flat_draft[i] >= 0]
-    if sampled_bonus:
-        # bonus rows: the plain sampler's own draw at that position (stream 0)
-        idx = torch.tensor(sampled_bonus, device=dev)
-        f = _filters([params[i] for i in sampled_bonus], v, dev)
-        seed_t = torch.tensor([seeds[i] for i in sampled_bonus], dtype=torch.int64, device=dev)
-        token[idx] = sample(target_logits[idx], *f, seed_t).to(torch.int64)
+    sampled = [i for i, t in enumerate(temps) if t != 0.0]
+    # rows drawn by the plain sampler itself: bonus rows, and every row when the drafts are point masses
+    plain_rows = sampled if draft_probs is None else [i for i in sampled if flat_draft[i] < 0]
+    sampled_draft = [] if draft_probs is None else [i for i in sampled if flat_draft[i] >= 0]
+    if plain_rows:
+        idx = torch.tensor(plain_rows, device=dev)
+        f = _filters([params[i] for i in plain_rows], v, dev)
+        seed_t = torch.tensor([seeds[i] for i in plain_rows], dtype=torch.int64, device=dev)
+        drawn = sample(target_logits[idx], *f, seed_t).to(torch.int64)
+        token[idx] = drawn
+        accept[idx] = drawn == draft_t[idx]  # bonus rows (draft -1) never
     if sampled_draft:
-        # draft rows: the accept test and the residual draw, all rows at once
+        # draft rows with the draft's q: the accept test and the residual draw, all rows at once
         idx = torch.tensor(sampled_draft, device=dev)
         p = _target_probs(target_logits[idx], [params[i] for i in sampled_draft], v)
         d = draft_t[idx]
-        if draft_probs is None:
-            q = torch.zeros_like(p).scatter_(1, d[:, None], 1.0)
-        else:
-            # draft_probs has no bonus rows: row i of target_logits is draft row i - (its sequence index)
-            q = draft_probs[idx - seq_of[idx]].to(device=dev, dtype=p.dtype)
+        # draft_probs has no bonus rows: row i of target_logits is draft row i - (its sequence index)
+        q = draft_probs[idx - seq_of[idx]].to(device=dev, dtype=p.dtype)
         p_d = p.gather(1, d[:, None]).squeeze(1)
         q_d = q.gather(1, d[:, None]).squeeze(1)
         u = hash_uniform(_seeds(seeds, sampled_draft, ACCEPT_STREAM, dev), 1).squeeze(1)
