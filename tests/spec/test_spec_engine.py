@@ -254,11 +254,16 @@ def test_per_request_opt_out(spec, reference):
         spec.engine.spec.proposer = old
 
 
-def test_seeded_sampling_is_reproducible(spec):
-    prompt = prompts_mixed(spec)[1]
+def test_seeded_sampling_is_reproducible(spec, plain):
+    """Point-mass drafts use the coupled form of the rule (spec/accept.py): a seeded sampled request
+    emits exactly the tokens it emits without speculation."""
+    prompts = prompts_mixed(spec)[:2]
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=24)
-    a, b = run(spec, [prompt] * 2, params)
+    verified = spec.engine.spec.num_verified
+    a, b = run(spec, [prompts[1]] * 2, params)
     assert a == b and len(a[0]) > 0
+    assert run(spec, prompts, params) == run(plain, prompts, params)
+    assert spec.engine.spec.num_verified > verified
 
 
 @pytest.mark.parametrize("bad, match", [
