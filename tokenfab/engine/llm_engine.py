@@ -396,8 +396,7 @@ class LLMEngine:
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         seq = self.scheduler.waiting[0]
-        self.scheduler.finish(seq)
-        seq.finish_reason = "length"
+        self._finish(seq, "length")  # also releases its proposer state
         return [self._output(seq)]
 
     def _append_token(self, seq: Sequence, token: int, lp) -> None:

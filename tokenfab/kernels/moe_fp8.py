@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import use_triton
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
-from tokenfab.kernels.moe_gemm import _moe_sum_triton
+from tokenfab.kernels.moe_gemm import _moe_sum_triton, grouped_tile
 from tokenfab.kernels.quant import (
     GROUP_K,
     _per_token_group_quant_triton,
@@ -83,11 +83,7 @@ def _moe_fp8_gate_up_kernel(
     """out[pair, n] = silu(g) * u, g/u = sum over K tiles of dot(xq, Wq) * x_scale * w_scale (rows n, I + n)."""
     pid = tl.program_id(0)
     num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,11 +130,7 @@ def _moe_fp8_down_kernel(
     """out[pair, n] = (sum over K tiles of dot(hq[pair], W2q[e, n]) * h_scale * w_scale) * topk_weight[pair]."""
     pid = tl.program_id(0)
     num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

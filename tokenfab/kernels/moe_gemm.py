@@ -102,6 +102,16 @@ def fused_experts_ref(
 
 
 @triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles sweep all column tiles
+    together, so a weight tile stays in L2 while those rows use it."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
     num_pairs, inter, hidden, sxm, swe, swn, sbe, som,
@@ -124,11 +134,7 @@ def _moe_gate_up_kernel(
     # grouped ordering: GROUP_M row tiles sweep all column tiles together (weights stay in L2)
     pid = tl.program_id(0)
     num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,11 +194,7 @@ def _moe_down_kernel(
     # grouped ordering: GROUP_M row tiles sweep all column tiles together (weights stay in L2)
     pid = tl.program_id(0)
     num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
-from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_config
+from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, grouped_tile, moe_config
 from tokenfab.kernels.moe_w4a16_ref import _check, fused_experts_w4a16_native, fused_experts_w4a16_ref
 from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, _unpack_codes, even_block_k
 
@@ -59,11 +59,7 @@ def _moe_w4_gate_up_kernel(
     G, U the dequantized gate and up rows of expert e = expert_ids[tile]; sentinel rows are skipped."""
     pid = tl.program_id(0)
     num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,11 +136,7 @@ def _moe_w4_down_kernel(
     """Program (row tile, column tile): out[pair, n] = (x[pair] . D[e, n] + b2[e, n]) * topk_weight[pair]."""
     pid = tl.program_id(0)
     num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tl.num_programs(0) // num_pid_n - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

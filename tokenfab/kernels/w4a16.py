@@ -50,6 +50,7 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
+from tokenfab.kernels.moe_gemm import grouped_tile
 
 CODECS = ("int4", "mxfp4", "nvfp4")
 GROUP_SIZE = {"int4": 32, "mxfp4": 32, "nvfp4": 16}
@@ -184,11 +185,7 @@ def _w4a16_kernel(
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from tokenfab.server.protocol import INT32_MAX, Int, Text, _Request, check_text
+from tokenfab.server.protocol import INT32_MAX, FunctionDefinition, Int, Text, _Request, check_text
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
@@ -103,20 +103,11 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Request):
-    """A function tool in the Responses API's flat shape (no ``function`` wrapper)."""
+class FunctionTool(FunctionDefinition):
+    """A function tool in the Responses API's flat shape: chat's FunctionDefinition without the ``function``
+    wrapper."""
 
     type: Literal["function"]
-    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments")
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _check_parameters_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_text(v)
-        return v
 
 
 class FunctionChoice(_Request):
