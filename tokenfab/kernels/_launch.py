@@ -80,7 +80,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def patch_interpreter_bf16() -> None:
-    """Fix two bf16 bugs of Triton's interpreter (triton 3.6-3.9) so it computes what the GPU does.
+    """Fix bf16 (and fp8) bugs of Triton's interpreter (triton 3.6-3.9) so it computes what the GPU does.
 
     1. fp32 -> bf16 casts truncate the mantissa; the GPU rounds to nearest even (as torch).
     2. ``tl.dot`` on bf16 operands multiplies their raw uint16 storage; the GPU multiplies the
@@ -96,10 +96,25 @@ def patch_interpreter_bf16() -> None:
         return
     original_convert = interpreter._convert_float
 
+    # 3. casts to/from fp8 e4m3 (the FP8 KV cache) neither round to nearest even nor carry a rounded-up
+    #    mantissa into the exponent: torch converts them exactly as the GPU's cvt.rn does (in range)
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn}
+    wide = {tl.float32: (torch.float32, np.int32), tl.bfloat16: (torch.bfloat16, np.int16),
+            tl.float16: (torch.float16, np.int16)}
+
     def convert(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
             src = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
             return src.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(input.shape)
+        if input_dtype in wide and output_dtype in fp8:
+            tdt, idt = wide[input_dtype]
+            src = torch.from_numpy(np.ascontiguousarray(input).view(idt)).view(tdt)
+            return src.to(fp8[output_dtype]).view(torch.uint8).numpy().reshape(input.shape)
+        if input_dtype in fp8 and output_dtype in wide:
+            tdt, idt = wide[output_dtype]
+            src = torch.from_numpy(np.ascontiguousarray(input).view(np.uint8)).view(fp8[input_dtype])
+            out = src.to(tdt).view(torch.int32 if idt == np.int32 else torch.int16).numpy()
+            return out.view(np.uint32 if idt == np.int32 else np.uint16).reshape(input.shape)
         return original_convert(input, input_dtype, output_dtype, rounding_mode)
 
     builder_cls = type(interpreter.interpreter_builder)
