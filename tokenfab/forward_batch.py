@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +32,13 @@ class ForwardBatch:
     max_query_len: int
     max_context_len: int
     prompt_indices: torch.Tensor | None = None
+
+    # the batch built last (weakly held): the native kernels check its index tensors once, not once
+    # a layer (kernels/cpu/checks.py); a batch's tensors are never changed in place while it is used
+    latest: ClassVar[weakref.ref | None] = None
+
+    def __post_init__(self) -> None:
+        ForwardBatch.latest = weakref.ref(self)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenfab.forward_batch import ForwardBatch
+
 
 def check_dims(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dim() != dim:
@@ -73,11 +75,18 @@ def check_paged_attention(
 _last_checked: tuple | None = None
 
 
-def _versions(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None) -> tuple[int, int, int] | None:
-    """The tensors' version counters; None for inference tensors (made under torch.inference_mode),
-    which have none: an in-place change of them could not be seen, so they are checked every time."""
+def _versions(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The tensors' version counters. Inference tensors (made under torch.inference_mode, as the
+    engine's batches are) have none, so an in-place change could not be seen: they are memoized only
+    while they are the index tensors of the latest ``ForwardBatch`` (whose tensors are never changed
+    in place), i.e. once a step; any other inference tensors are checked every time (None)."""
     if tables.is_inference() or ctx.is_inference() or (cu is not None and cu.is_inference()):
-        return None
+        ref = ForwardBatch.latest
+        b = ref() if ref is not None else None
+        if b is None or b.block_tables is not tables or b.context_lens is not ctx \
+                or (cu is not None and b.cu_seqlens_q is not cu):
+            return None
+        return (-1, id(b))
     return tables._version, ctx._version, -1 if cu is None else cu._version
 
 
