@@ -43,13 +43,16 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """This step's keys/values into the paged cache (in place; slot -1 skipped)."""
-    args = (k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """This step's keys/values into the paged cache (in place; slot -1 skipped; fp8 caches: quantized
+    with ``k_scale``/``v_scale``, which the C kernel does not take: the reference quantizes on CPU)."""
+    fp8 = kv_cache.is_fp8(k_cache.dtype) or kv_cache.is_fp8(v_cache.dtype)
+    args = (k, v, k_cache, v_cache, slot_mapping) + ((k_scale, v_scale) if fp8 else ())
     if torch.compiler.is_compiling():
         kv_cache.store_kv(*args)
     else:
-        choose(k, kv_cache.store_kv, native.store_kv, kv_cache.store_kv_ref, *args)
+        choose(k, kv_cache.store_kv, None if fp8 else native.store_kv, kv_cache.store_kv_ref, *args)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

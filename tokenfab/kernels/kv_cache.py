@@ -3,6 +3,12 @@
 Cache layout: k_cache, v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
 Token t goes to slot ``slot_mapping[t]`` = block_id * block_size + offset; a slot of -1
 is skipped (padding tokens of a CUDA-graph batch).
+
+FP8 KV cache (``torch.float8_e4m3fn`` caches): one float32 scale per tensor (``k_scale``, ``v_scale``:
+shape [1], on the cache's device, read by the kernels on the device so that a first-batch calibration
+can change them without recompiling or recapturing CUDA graphs). A stored value is
+``clamp(x / scale, -448, 448)`` cast to e4m3 (round to nearest even; out-of-range values saturate,
+never inf/nan); a read is ``fp8.to(float32) * scale`` (``quantize_fp8_ref`` / ``dequantize_fp8_ref``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,45 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import use_triton
 
+#: The cache dtype of the FP8 KV cache, and its largest finite value (stored values clamp to +-FP8_MAX).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds FP8 (e4m3) values that need a scale."""
+    return dtype == FP8_KV_DTYPE
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The stored value: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3 (round to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The value a kernel reads: ``fp8.to(float32) * scale``."""
+    return x.float() * scale
+
+
+def check_fp8_scales(op: str, cache: torch.Tensor, **scales: torch.Tensor | None) -> None:
+    """An FP8 cache needs its scales: float32 tensors of one element on the cache's device."""
+    for name, s in scales.items():
+        if s is None:
+            raise ValueError(f"{op}: an fp8 cache needs {name} (a float32 tensor of shape [1]), got None")
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != cache.device:
+            raise ValueError(f"{op}: {name} must be a float32 tensor of one element on {cache.device}, "
+                             f"got {s.dtype} {tuple(s.shape)} on {s.device}")
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache.view(slots, ...)[slots] = rows`` (fp8 caches through their bytes: no fp8 index_copy on CPU)."""
+    nb, bs = cache.shape[:2]
+    flat = cache.view(nb * bs, *cache.shape[2:])
+    if is_fp8(cache.dtype):
+        flat.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, rows.to(cache.dtype))
+
 
 def store_kv_ref(
     k: torch.Tensor,
@@ -25,28 +70,44 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, Hkv, D]; slot_mapping: [T] int64. Writes in place."""
-    nb, bs, h, d = k_cache.shape
+    """k, v: [T, Hkv, D]; slot_mapping: [T] int64. Writes in place.
+
+    An fp8 cache stores ``quantize_fp8_ref(x, scale)`` (scales required); other caches ignore the scales.
+    """
     slots = slot_mapping.long()
     if bool((slots < 0).any()):  # padding slots: drop them (rare off the CUDA-graph path)
         valid = slots >= 0
         slots, k, v = slots[valid], k[valid], v[valid]
-    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    if is_fp8(k_cache.dtype) or is_fp8(v_cache.dtype):
+        check_fp8_scales("store_kv", k_cache, k_scale=k_scale, v_scale=v_scale)
+    if is_fp8(k_cache.dtype):
+        k = quantize_fp8_ref(k, k_scale)
+    if is_fp8(v_cache.dtype):
+        v = quantize_fp8_ref(v, v_scale)
+    _write_rows(k_cache, slots, k)
+    _write_rows(v_cache, slots, v)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     n_heads, dk, dv, block_size,
     skt, skh, svt, svh,
     skc_b, skc_t, skc_h, svc_b, svc_t, svc_h,
     BLOCK_H: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    QUANT_K: tl.constexpr = False,
+    QUANT_V: tl.constexpr = False,
 ):
-    """Program (token, head block): copy its K and V rows into slot ``slot_mapping[token]``."""
+    """Program (token, head block): copy its K and V rows into slot ``slot_mapping[token]``.
+
+    QUANT_K / QUANT_V (fp8 caches): store clamp(x / scale, -448, 448), rounded to nearest even by the
+    cast; the division is IEEE-exact (div_rn) so the stored bytes equal the reference's.
+    """
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -58,10 +119,14 @@ def _store_kv_kernel(
     dk_i = tl.arange(0, BLOCK_DK)[None, :]
     mk = ok[:, None] & (dk_i < dk)
     kx = tl.load(k_ptr + t * skt + h64 * skh + dk_i, mask=mk)
+    if QUANT_K:
+        kx = tl.clamp(tl.math.div_rn(kx.to(tl.float32), tl.load(ks_ptr)), -448.0, 448.0)
     tl.store(kc_ptr + blk * skc_b + off * skc_t + h64 * skc_h + dk_i, kx.to(kc_ptr.dtype.element_ty), mask=mk)
     dv_i = tl.arange(0, BLOCK_DV)[None, :]
     mv = ok[:, None] & (dv_i < dv)
     vx = tl.load(v_ptr + t * svt + h64 * svh + dv_i, mask=mv)
+    if QUANT_V:
+        vx = tl.clamp(tl.math.div_rn(vx.to(tl.float32), tl.load(vs_ptr)), -448.0, 448.0)
     tl.store(vc_ptr + blk * svc_b + off * svc_t + h64 * svc_h + dv_i, vx.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
@@ -78,6 +143,8 @@ def _store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     check_device(k)
     t, h, dk = k.shape
@@ -90,14 +157,18 @@ def _store_kv_triton(
         v = v.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("store_kv: the caches' last dim must be contiguous")
+    quant_k, quant_v = is_fp8(k_cache.dtype), is_fp8(v_cache.dtype)
+    if quant_k or quant_v:
+        check_fp8_scales("store_kv", k_cache, k_scale=k_scale, v_scale=v_scale)
     cfg = store_kv_config(h, dk, dv)
     grid = (t, triton.cdiv(h, cfg["BLOCK_H"]))
     _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, h, dk, dv, k_cache.shape[1],
+        k, v, k_cache, v_cache, slot_mapping, k_scale if quant_k else k, v_scale if quant_v else v,
+        h, dk, dv, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        **cfg,
+        QUANT_K=quant_k, QUANT_V=quant_v, **cfg,
     )
 
 
@@ -108,13 +179,16 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    """Write the step's keys and values into the paged cache (fp8 caches: quantized with the scales)."""
     if use_triton(k):
-        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @store_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping):
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
