@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.cpu import matmul_f32
+from tokenfab.layers.tp_split import TPSplit, column_split, qkv_split, row_split
 
 # above this many rows (prefill chunks) the unpacked float32 product is as fast or faster
 PACKED_MAX_ROWS = 1024
@@ -84,32 +86,70 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Linear(nn.Module):
-    packed_weight: torch.Tensor | None = None
+    """``y = x W^T + b``. ``parallel`` ("column" / "row") builds it tensor-parallel when the TP size
+    is above 1 (layers.tp_split): the weight is this rank's rows / input columns, ``tp_split`` says
+    which part of the full checkpoint tensor the loader keeps, and a row-parallel layer all-reduces
+    its output. At TP 1 the layer is the plain one (no split, no collective)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    packed_weight: torch.Tensor | None = None
+    tp_split: TPSplit | None = None
+    reduce_output: bool = False  # row-parallel at TP > 1: sum the partial products over the TP group
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parallel: str | None = None) -> None:
         super().__init__()
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel must be None, 'column' or 'row', not {parallel!r}")
+        if parallel == "column":
+            self.tp_split = column_split([out_features])
+        elif parallel == "row":
+            self.tp_split = row_split(in_features)
+        if self.tp_split is not None:
+            if self.tp_split.dim == 0:
+                out_features = self.tp_split.local_sizes()[0]
+            else:
+                in_features, self.reduce_output = self.tp_split.local_sizes()[0], True
+        self._init(in_features, out_features, bias)
+
+    def _init(self, in_features: int, out_features: int, bias: bool) -> None:
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        return tp_all_reduce(y) if self.reduce_output else y
 
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim.
 
     ``shard_sizes`` gives each projection's rows; ``load_shard(i, w)`` copies checkpoint
-    tensor ``w`` (weight or bias) into the rows of shard ``i``.
+    tensor ``w`` (weight or bias) into the rows of shard ``i``. ``parallel="column"`` splits each
+    projection over the TP ranks (``shard_sizes`` then holds the local sizes); ``split`` gives
+    another split of the shards (QKV's head ranges: :func:`qkv_linear`).
     """
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias)
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False, parallel: str | None = None,
+                 split: TPSplit | None = None) -> None:
+        nn.Module.__init__(self)
+        if parallel not in (None, "column"):
+            raise ValueError(f"a merged projection is column-parallel or not split, not {parallel!r}")
+        self.tp_split = split if split is not None else column_split(list(shard_sizes)) if parallel else None
+        if self.tp_split is not None:
+            shard_sizes = self.tp_split.local_sizes()
         self.shard_sizes = list(shard_sizes)
+        self._init(in_features, sum(self.shard_sizes), bias)
 
     def shard_range(self, i: int) -> tuple[int, int]:
         start = sum(self.shard_sizes[:i])
         return start, start + self.shard_sizes[i]
+
+
+def qkv_linear(hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+               ) -> MergedLinear:
+    """The merged q/k/v projection, tensor-parallel by heads at TP > 1 (layers.tp_split.qkv_split)."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    return MergedLinear(hidden_size, [q, kv, kv], bias=bias, split=qkv_split(head_dim, num_heads, num_kv_heads))
 
 
 def mkl_packing_available() -> bool:

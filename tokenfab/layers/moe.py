@@ -27,8 +27,10 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        # tensor parallel at TP > 1: gate/up column-, down row-parallel (its all-reduce gives every rank the sum)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,
+                                         parallel="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

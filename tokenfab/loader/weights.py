@@ -100,8 +100,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             unused[ckpt_name] = where()
             continue
         param = params[name]
+        mod_name, _, suffix = name.rpartition(".")
+        split = getattr(modules.get(mod_name), "tp_split", None)
+        if split is not None:  # tensor parallel: this rank keeps its part of the full tensor
+            try:
+                tensor = split.take_param(suffix, tensor, shard)
+            except ValueError as e:
+                raise ModelLoadError(where(), f"tensor {ckpt_name}: {e}") from e
         if shard is not None:
-            mod = modules[name.rsplit(".", 1)[0]]
+            mod = modules[mod_name]
             assert isinstance(mod, MergedLinear)
             lo, hi = mod.shard_range(shard)
             dst = param.data[lo:hi]

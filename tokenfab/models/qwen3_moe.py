@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from tokenfab.layers.linear import MergedLinear
+from tokenfab.layers.linear import qkv_linear
 from tokenfab.layers.moe import FusedMoE, GatedMLP
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.models.llama import DecoderLayer, LlamaAttention, LlamaMLP
@@ -52,7 +52,8 @@ class Qwen2MoeAttention(LlamaAttention):
     def __init__(self, config: Any, layer_idx: int, max_position: int) -> None:
         super().__init__(config, layer_idx, max_position)
         if getattr(config, "qkv_bias", True):
-            self.qkv_proj = MergedLinear(config.hidden_size, self.splits, bias=True)
+            num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            self.qkv_proj = qkv_linear(config.hidden_size, self.head_dim, config.num_attention_heads, num_kv, bias=True)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
