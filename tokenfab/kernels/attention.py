@@ -11,6 +11,9 @@ Options shared by all variants:
 - ``softcap`` > 0: logits become softcap * tanh(logits / softcap) before masking.
 - ``sinks`` [Hq]: one extra learned logit per head that joins the softmax denominator
   but has no value (GPT-OSS).
+- ``k_scale``, ``v_scale`` (float32 [1] tensors): the scales of an fp8 (``float8_e4m3fn``) cache,
+  whose values read as ``fp8.float() * scale`` (``kernels/kv_cache.py``); required for an fp8
+  cache, ignored otherwise.
 
 The implementations live in one file per concept: ``attention_ref`` (the PyTorch references),
 ``attention_decode`` (the Triton split-KV decode kernel), ``attention_prefill`` (the Triton
@@ -33,6 +36,7 @@ from tokenfab.kernels.attention_ref import (
     prefill_attention_ref,
 )
 from tokenfab.kernels.cpu import attention as native_attention
+from tokenfab.kernels.kv_cache import is_fp8
 from tokenfab.kernels.paged import LOG2E, MAX_DECODE_SPLITS
 
 __all__ = [
@@ -64,16 +68,20 @@ def paged_attention_native(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The native C kernel (``kernels/cpu``), which reads the pages in place for decode rows and
-    prefill chunks alike, in one call per layer; None where it cannot take the tensors."""
+    prefill chunks alike, in one call per layer; None where it cannot take the tensors.
+    An fp8 cache's scales go to it as keywords (``k_scale=``, ``v_scale=``), only for an fp8 cache."""
     if q.shape[0] == 0 or not native_attention.supports(q, k_cache, v_cache):
         return None
+    fp8 = {"k_scale": k_scale, "v_scale": v_scale} if is_fp8(k_cache.dtype) else {}
     if max_query_len == 1:
         return native_attention.paged_decode_attention_native(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks)
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, softcap, sinks, **fp8)
     return native_attention.paged_attention_native(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                                   scale, sliding_window, softcap, sinks)
+                                                   scale, sliding_window, softcap, sinks, **fp8)
 
 
 def paged_attention_cpu(*args, **kwargs) -> torch.Tensor:
@@ -84,15 +92,17 @@ def paged_attention_cpu(*args, **kwargs) -> torch.Tensor:
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-                            max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None) -> torch.Tensor:
+                            max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None, k_scale=None,
+                            v_scale=None) -> torch.Tensor:
     """Decode-only steps run the split-KV decode kernel, any other step the prefill kernel."""
     if max_query_len == 1:
         return _paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, sliding_window, softcap, sinks,
+            k_scale, v_scale,
         )
     return _prefill_attention_triton(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-        sliding_window, softcap, sinks,
+        sliding_window, softcap, sinks, k_scale, v_scale,
     )
 
 
@@ -110,14 +120,16 @@ def paged_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model's one attention call per layer per step (mixed prefill/decode batch)."""
     return choose(q, _paged_attention_triton, paged_attention_native, paged_attention_ref, q, k_cache, v_cache,
                   block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale, sliding_window,
-                  softcap, sinks)
+                  softcap, sinks, k_scale, v_scale)
 
 
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len,
-      scale, sliding_window=0, softcap=0.0, sinks=None):
+      scale, sliding_window=0, softcap=0.0, sinks=None, k_scale=None, v_scale=None):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])

@@ -3,6 +3,10 @@
 Program (sequence, kv head, split): the kv group's query heads (a 16-row tile) over one share of
 the sequence's keys, online softmax; a second kernel (``paged.decode_reduce_kernel``) merges the
 splits. The contract is ``attention_ref.paged_decode_attention_ref``'s.
+
+FP8 cache (``KV_FP8``): K/V tiles are loaded as e4m3 and widened to the query's dtype in registers
+(exact: e4m3 values are bf16/fp16 values), so the products run on the same 16-bit MMA; k_scale is
+folded into the softmax scale and v_scale into the output (one factor per row), read on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from tokenfab.kernels.kv_cache import check_kv_dtypes
 from tokenfab.kernels.paged import (
     LOG2E,
     MAX_DECODE_SPLITS,
@@ -28,7 +33,7 @@ from tokenfab.kernels.paged import (
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, sink_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, sink_ptr, ks_ptr, vs_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
     scale_log2, softcap, window, group, head_dim, head_dim_v, block_size: tl.constexpr,
     sqb, sqh, skb, skt, skh, svb, svt, svh, sbt, sob, soh,
@@ -42,6 +47,7 @@ def _decode_split_kernel(
     HAS_SINKS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (sequence, kv head, split): the group's query heads against one share of the keys.
 
@@ -55,6 +61,8 @@ def _decode_split_kernel(
     sp = tl.program_id(2)
     b64 = b.to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(ks_ptr)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -89,6 +97,8 @@ def _decode_split_kernel(
         k_rows = k_base + page * skb + off * skt
         if D_CHUNK == BLOCK_D:
             k = tl.load(k_rows[:, None] + d[None, :], mask=j_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+            if KV_FP8:
+                k = k.to(q_ptr.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         else:
             s = tl.zeros((BLOCK_G, BLOCK_N), tl.float32)
@@ -98,6 +108,8 @@ def _decode_split_kernel(
                              other=0.0)
                 kd = tl.load(k_rows[:, None] + dd[None, :], mask=j_ok[:, None] & (dd < head_dim)[None, :],
                              other=0.0)
+                if KV_FP8:
+                    kd = kd.to(q_ptr.dtype.element_ty)
                 s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
         s = softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
         s = tl.where(j_ok[None, :], s, float("-inf"))
@@ -109,12 +121,17 @@ def _decode_split_kernel(
             v_base + (page * svb + off * svt)[:, None] + dv[None, :],
             mask=j_ok[:, None] & (dv < head_dim_v)[None, :], other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        if KV_FP8:
+            o = acc * (tl.load(vs_ptr) / l_safe)[:, None]
+        else:
+            o = acc / l_safe[:, None]
         tl.store(
             out_ptr + b64 * sob + heads.to(tl.int64)[:, None] * soh + dv[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -124,6 +141,8 @@ def _decode_split_kernel(
         # partials: o [B, Hq, S, Dv] and (max, sum) [B, Hq, S, 2], contiguous
         n_q_heads = tl.num_programs(1) * group
         row = (b64 * n_q_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        if KV_FP8:
+            acc = acc * tl.load(vs_ptr)  # the reduce merges the partials linearly
         tl.store(part_o_ptr + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=g_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_ok)
@@ -168,11 +187,16 @@ def _paged_decode_attention_triton(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, Dv]; ``max_context_len`` is not needed (read on the device).
+
+    An fp8 cache (``torch.float8_e4m3fn``) needs ``k_scale``/``v_scale`` (float32 [1]); the kernel
+    then computes in ``q``'s dtype (configuration and product precision follow q).
 
     ``num_splits`` (a power of two) overrides the configured split count (tests use it to
     exercise the split/reduce paths cheaply in the interpreter); ``config`` overrides entries
@@ -186,8 +210,10 @@ def _paged_decode_attention_triton(
     if q.stride(-1) != 1:
         q = q.contiguous()
     check_paged(q, k_cache, v_cache)
+    kv_fp8 = check_kv_dtypes("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
+    op_dtype = q.dtype if kv_fp8 else k_cache.dtype
     hkv = k_cache.shape[2]
-    cfg = decode_config(b, hq, hkv, d, dv, num_sms(q.device), k_cache.dtype)
+    cfg = decode_config(b, hq, hkv, d, dv, num_sms(q.device), op_dtype)
     cfg.update(config or {})
     if num_splits is not None:
         check_num_splits(num_splits)
@@ -200,13 +226,14 @@ def _paged_decode_attention_triton(
         part_o = part_ml = out
     sink_arg = sinks if sinks is not None else q
     _decode_split_kernel[(b, hkv, s)](
-        q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, part_o, part_ml,
+        q, k_cache, v_cache, block_tables, context_lens, sink_arg,
+        k_scale if kv_fp8 else q, v_scale if kv_fp8 else q, out, part_o, part_ml,
         scale * LOG2E, float(softcap), int(sliding_window), hq // hkv, d, dv, k_cache.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         HAS_SOFTCAP=softcap > 0.0, HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window > 0,
-        DOT_PREC=dot_precision(k_cache.dtype), **cfg,
+        DOT_PREC=dot_precision(op_dtype), KV_FP8=kv_fp8, **cfg,
     )
     if s > 1:
         decode_reduce_kernel[(b, hq)](

@@ -3,6 +3,9 @@
 Program (query tile, kv head group): a tile of one sequence's query rows (packing the kv group's
 query heads) over that sequence's keys, online softmax, causal and window masks applied only on
 the tiles that need them. The contract is ``attention_ref.paged_attention_ref``'s.
+
+FP8 cache (``KV_FP8``): as in decode, K/V tiles are widened from e4m3 to the query's dtype in
+registers; k_scale is folded into the softmax scale and v_scale into the output's row factor.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from tokenfab.kernels.kv_cache import check_kv_dtypes
 from tokenfab.kernels.paged import LOG2E, check_paged, softcap_log2
 
 
@@ -32,6 +36,7 @@ def _prefill_tiles(
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax over key tiles n_lo, n_lo + BLOCK_N, ... < n_hi.
 
@@ -58,6 +63,8 @@ def _prefill_tiles(
             k_ok = j >= 0
         if D_CHUNK == BLOCK_D:
             k = tl.load(k_rows[:, None] + d[None, :], mask=k_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+            if KV_FP8:
+                k = k.to(q_rows.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         else:
             s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -67,6 +74,8 @@ def _prefill_tiles(
                              other=0.0)
                 kd = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None] & (dd < head_dim)[None, :],
                              other=0.0)
+                if KV_FP8:
+                    kd = kd.to(q_rows.dtype.element_ty)
                 s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
         s = softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
         if MASKED:
@@ -90,6 +99,8 @@ def _prefill_tiles(
         else:
             v = tl.load(v_base + (page * svb + off * svt)[:, None] + dv[None, :],
                         mask=(dv < head_dim_v)[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q_rows.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, m_i, l_i
@@ -97,7 +108,7 @@ def _prefill_tiles(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, sink_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, sink_ptr, ks_ptr, vs_ptr, out_ptr,
     num_seqs, scale_log2, softcap, window, group, head_dim, head_dim_v, block_size: tl.constexpr,
     sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, sot, soh,
     BLOCK_M: tl.constexpr,
@@ -111,6 +122,7 @@ def _prefill_kernel(
     HAS_SINKS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (query tile, kv head x head chunk) of varlen causal attention over the paged cache.
 
@@ -140,6 +152,8 @@ def _prefill_kernel(
     q0 = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
     if q0 < q_len:
         ctx = tl.load(ctx_ptr + b)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(ks_ptr)
         r = tl.arange(0, BLOCK_M)
         tok = q0 + r // HEADS_PER_TILE
         gi = chunk * HEADS_PER_TILE + r % HEADS_PER_TILE
@@ -181,19 +195,25 @@ def _prefill_kernel(
             acc, m_i, l_i, q, q_rows, row_ok, pos, k_base, v_base, bt_row, t_lo, tl.minimum(t_full_lo, kv_end), kv_end,
             scale_log2, softcap, window, block_size, skb, skt, svb, svt, head_dim, head_dim_v,
             True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D_CHUNK, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC,
+            KV_FP8,
         )
         acc, m_i, l_i = _prefill_tiles(
             acc, m_i, l_i, q, q_rows, row_ok, pos, k_base, v_base, bt_row, t_full_lo, t_full_hi, kv_end,
             scale_log2, softcap, window, block_size, skb, skt, svb, svt, head_dim, head_dim_v,
             False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D_CHUNK, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC,
+            KV_FP8,
         )
         acc, m_i, l_i = _prefill_tiles(
             acc, m_i, l_i, q, q_rows, row_ok, pos, k_base, v_base, bt_row, t_full_hi, kv_end, kv_end,
             scale_log2, softcap, window, block_size, skb, skt, svb, svt, head_dim, head_dim_v,
             True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, D_CHUNK, HAS_SOFTCAP, HAS_WINDOW, DOT_PREC,
+            KV_FP8,
         )
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        if KV_FP8:
+            o = acc * (tl.load(vs_ptr) / l_safe)[:, None]
+        else:
+            o = acc / l_safe[:, None]
         tl.store(
             out_ptr + t64[:, None] * sot + head.to(tl.int64)[:, None] * soh + dv[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -251,10 +271,14 @@ def _prefill_attention_triton(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, Dv]; the sizes ``max_*_len`` are not needed (read on the device).
+
+    An fp8 cache needs ``k_scale``/``v_scale``; the kernel then computes in ``q``'s dtype.
 
     ``config`` overrides entries of ``prefill_config`` (the kernel benchmark's sweep).
     """
@@ -267,8 +291,10 @@ def _prefill_attention_triton(
     if q.stride(-1) != 1:
         q = q.contiguous()
     check_paged(q, k_cache, v_cache)
+    kv_fp8 = check_kv_dtypes("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
+    op_dtype = q.dtype if kv_fp8 else k_cache.dtype
     hkv = k_cache.shape[2]
-    cfg = prefill_config(hq, hkv, d, dv, k_cache.dtype)
+    cfg = prefill_config(hq, hkv, d, dv, op_dtype)
     if config:
         cfg.update(config)
         if "BLOCK_M" in config and "BLOCK_Q" not in config:
@@ -278,12 +304,12 @@ def _prefill_attention_triton(
     grid = (t // cfg["BLOCK_Q"] + nseq, hkv * triton.cdiv(group, cfg["HEADS_PER_TILE"]))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-        sinks if sinks is not None else q, out,
+        sinks if sinks is not None else q, k_scale if kv_fp8 else q, v_scale if kv_fp8 else q, out,
         nseq, scale * LOG2E, float(softcap), int(sliding_window), group, d, dv, k_cache.shape[1],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         HAS_SOFTCAP=softcap > 0.0, HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window > 0,
-        DOT_PREC=dot_precision(k_cache.dtype), **cfg,
+        DOT_PREC=dot_precision(op_dtype), KV_FP8=kv_fp8, **cfg,
     )
     return out

@@ -12,6 +12,8 @@ Options shared by all variants:
 - ``softcap`` > 0: logits become softcap * tanh(logits / softcap) before masking.
 - ``sinks`` [Hq]: one extra learned logit per head that joins the softmax denominator
   but has no value (GPT-OSS).
+- ``k_scale``, ``v_scale`` (float32 [1]): an fp8 cache's scales; the references dequantize the
+  gathered pages (``fp8.float() * scale``) and apply the plain definition in fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenfab.kernels.kv_cache import check_kv_dtypes, dequantize_fp8_ref, is_fp8
 from tokenfab.kernels.paged import gather_kv
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """``gather_kv``; an fp8 cache is gathered as bytes and dequantized to fp32."""
+    if not is_fp8(cache.dtype):
+        return gather_kv(cache, block_tables, max_context_len)
+    raw = gather_kv(cache.view(torch.uint8), block_tables, max_context_len).view(cache.dtype)
+    return dequantize_fp8_ref(raw, scale)
 
 
 def paged_attention_ref(
@@ -35,6 +47,8 @@ def paged_attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> out [T, Hq, D]. Batched over all sequences, no loop.
 
@@ -49,6 +63,7 @@ def paged_attention_ref(
     if t == 0 or b == 0:
         return q.new_empty(t, hq, dv)
     hkv = k_cache.shape[2]
+    check_kv_dtypes("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
     dev = q.device
@@ -65,11 +80,12 @@ def paged_attention_ref(
         present = [g for g in groups if bool(g.any())]
         if len(present) > 1:
             return _split_rows(paged_attention_ref, q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                               context_lens, q_lens, present, scale, sliding_window, softcap, sinks)
+                               context_lens, q_lens, present, scale, sliding_window, softcap, sinks, k_scale,
+                               v_scale)
         if plain and bool(groups[1].any()):
             return _fresh_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, q_lens, scale)
-    k = gather_kv(k_cache, block_tables, max_context_len)
-    v = gather_kv(v_cache, block_tables, max_context_len)
+    k = _gather(k_cache, block_tables, max_context_len, k_scale)
+    v = _gather(v_cache, block_tables, max_context_len, v_scale)
     if max_query_len == 1:
         q_pad = q.view(b, 1, hq, d)
         seq_idx = tok_idx = None
@@ -154,7 +170,7 @@ def _fresh_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, q_lens, scal
 
 
 def _split_rows(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, q_lens, groups, scale,
-                sliding_window, softcap, sinks) -> torch.Tensor:
+                sliding_window, softcap, sinks, k_scale=None, v_scale=None) -> torch.Tensor:
     """``attend`` (a paged_attention variant) over each group of sequences (boolean masks over
     the batch) separately."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
@@ -169,7 +185,7 @@ def _split_rows(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context
         ctx = context_lens[rows]
         out[tokens] = attend(
             q[tokens], k_cache, v_cache, block_tables[rows], cu, ctx, int(lens.max()), int(ctx.max()), scale,
-            sliding_window, softcap, sinks,
+            sliding_window, softcap, sinks, k_scale, v_scale,
         )
     return out
 
@@ -185,13 +201,15 @@ def paged_decode_attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
     b = q.shape[0]
     cu = torch.arange(b + 1, device=q.device, dtype=torch.int32)
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, cu, context_lens, 1, max_context_len, scale,
-        sliding_window, softcap, sinks,
+        sliding_window, softcap, sinks, k_scale, v_scale,
     )
 
 
@@ -209,10 +227,12 @@ def prefill_attention_ref(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention of new query chunks against cached + new keys."""
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-        max_context_len, scale, sliding_window, softcap, sinks,
+        max_context_len, scale, sliding_window, softcap, sinks, k_scale, v_scale,
     )
 

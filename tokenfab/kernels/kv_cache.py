@@ -54,6 +54,20 @@ def check_fp8_scales(op: str, cache: torch.Tensor, **scales: torch.Tensor | None
                              f"got {s.dtype} {tuple(s.shape)} on {s.device}")
 
 
+def check_kv_dtypes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether an attention kernel reads an fp8 cache (then both caches are fp8, with their scales,
+    and the queries are 16- or 32-bit floats, the dtype the kernel widens the cache values to)."""
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8 != is_fp8(v_cache.dtype):
+        raise ValueError(f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be fp8 or neither")
+    if fp8:
+        check_fp8_scales(op, k_cache, k_scale=k_scale, v_scale=v_scale)
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{op}: queries over an fp8 cache must be float32/bfloat16/float16, got {q.dtype}")
+    return fp8
+
+
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``cache.view(slots, ...)[slots] = rows`` (fp8 caches through their bytes: no fp8 index_copy on CPU)."""
     nb, bs = cache.shape[:2]
