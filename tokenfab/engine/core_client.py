@@ -9,6 +9,16 @@ same code ``LLMEngine`` runs in process). A stop string found here aborts the re
 Death is noticed at once: a watchdog thread waits on the core's pidfd (readable the moment the
 process exits, however it died) and calls ``on_dead``; a ``step()`` in progress wakes up and raises
 ``EngineDeadError``. ``wakeup()`` lets another thread interrupt a waiting ``step()`` (new work).
+
+A hung core (alive but not stepping: stuck in a kernel, a deadlocked collective, SIGSTOPped) is
+dead too: the core's loop sends a heartbeat (``core_process.BEAT_S``) to every front end with
+requests in flight, and when nothing has arrived for ``hang_timeout`` seconds while requests are
+outstanding, the watchdog marks the engine dead (streams end with an error, 503, failing /health)
+and SIGKILLs the core through its pidfd, so a later SIGCONT resurrects nothing: the server stays
+dead until restarted, as after a crash. The default (``HANG_TIMEOUT_S``, 120 s; env
+``TOKENFAB_ENGINE_HANG_TIMEOUT``, 0 = off) is generous on purpose: it must exceed the longest
+legitimate single step -- a full token-budget prefill of a large model on a small CPU, or the first
+step's JIT (Triton compilation, autotuning) on a GPU -- because a false alarm kills a healthy server.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import logging
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +52,21 @@ from tokenfab.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenfab.core_client")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
+HANG_TIMEOUT_S = 120.0  # silence with requests in flight after which the core counts as hung (above)
+
+
+def hang_timeout_from_env() -> float:
+    """``TOKENFAB_ENGINE_HANG_TIMEOUT`` in seconds (0 turns hang detection off), else ``HANG_TIMEOUT_S``."""
+    raw = os.environ.get("TOKENFAB_ENGINE_HANG_TIMEOUT")
+    if raw is None or not raw.strip():
+        return HANG_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TOKENFAB_ENGINE_HANG_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"TOKENFAB_ENGINE_HANG_TIMEOUT must be >= 0 seconds (0 = off), got {raw!r}")
+    return value
 
 
 def load_tokenizer(model: str | None) -> Any:
@@ -60,8 +86,10 @@ class EngineCoreClient:
     """One front end's connection to the engine core (a DEALER on the core's ROUTER)."""
 
     def __init__(self, address: str, core_pid: int, tokenizer: Any, proc: subprocess.Popen | None = None,
-                 ready_timeout: float = 3600.0, workdir: str | None = None) -> None:
+                 ready_timeout: float = 3600.0, workdir: str | None = None,
+                 hang_timeout: float | None = None) -> None:
         self.address = address
+        self.hang_timeout = hang_timeout_from_env() if hang_timeout is None else float(hang_timeout)
         self.core_pid = core_pid
         self.tokenizer = tokenizer
         self.proc = proc  # set when this client spawned (and owns) the core
@@ -96,6 +124,7 @@ class EngineCoreClient:
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._stop_r, self._stop_w = os.pipe()
+        self._last_heard = time.monotonic()  # the last frame from the core (hang detection)
         self._watchdog = threading.Thread(target=self._watch, name="tokenfab-core-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -144,10 +173,15 @@ class EngineCoreClient:
         return pid_alive(self.core_pid)
 
     def _watch(self) -> None:
+        tick = 0.5 if self._pidfd is None else None
+        if self.hang_timeout > 0:
+            tick = min(tick or 1.0, self.hang_timeout / 4)
         while self._dead is None:
             fds = [self._stop_r] + ([self._pidfd] if self._pidfd is not None else [])
-            ready = select.select(fds, [], [], None if self._pidfd is not None else 0.5)[0]
+            ready = select.select(fds, [], [], tick)[0]
             if self._stop_r in ready or self._closing:
+                return
+            if self._hung():
                 return
             if (self._pidfd is not None and self._pidfd in ready) or not self._core_alive():
                 code = self.proc.wait() if self.proc is not None else None
@@ -155,6 +189,31 @@ class EngineCoreClient:
                     f" (killed by signal {-code})" if code is not None else ""
                 self._mark_dead(f"the engine core process (pid {self.core_pid}) died{how}")
                 return
+
+    def _hung(self) -> bool:
+        """Requests in flight and no frame for ``hang_timeout`` s: mark the engine dead, kill the core."""
+        if self.hang_timeout <= 0 or not self.has_unfinished_requests():
+            return False
+        silent = time.monotonic() - self._last_heard
+        if silent <= self.hang_timeout or not self._core_alive():
+            return False  # (an exited core is reported as died, below)
+        self._mark_dead(f"the engine core process (pid {self.core_pid}) is hung: nothing from it for {silent:.1f} s "
+                        f"with requests in flight (bound {self.hang_timeout:g} s; stuck in a kernel or a "
+                        "collective?); it was killed")
+        self._kill_core()
+        return True
+
+    def _kill_core(self) -> None:
+        """SIGKILL the core: through its pidfd (no pid-reuse race) where there is one."""
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif self.proc is not None:
+                self.proc.kill()
+            elif pid_alive(self.core_pid):
+                os.kill(self.core_pid, signal.SIGKILL)
+        except (OSError, AttributeError) as e:
+            log.warning("could not kill the hung engine core (pid %d): %s", self.core_pid, e)
 
     def _mark_dead(self, message: str) -> None:
         if self._dead is not None:
@@ -198,6 +257,8 @@ class EngineCoreClient:
         else:
             ids = [int(t) for t in prompt]
         self.check_request(ids, params)
+        if not self.has_unfinished_requests():  # work starts now: the hang clock too
+            self._last_heard = time.monotonic()
         spec = None
         if params.constraint is not None:
             spec = getattr(params.constraint, "spec_json", None)
@@ -242,6 +303,7 @@ class EngineCoreClient:
                 frame = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            self._last_heard = time.monotonic()
             try:
                 tag, fields = ipc.decode(frame)
             except ipc.ProtocolError as e:

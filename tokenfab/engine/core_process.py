@@ -6,7 +6,9 @@ stop strings) and serves one ZMQ ROUTER socket: every API-server process connect
 ``hello`` and gets ``ready`` with the model's facts. The loop drains what arrived (adds, aborts),
 runs one step while work exists and pushes each front end its outputs and the engine's stats; it
 blocks in ``poll`` when idle. A device error (``EngineDeadError``) is reported (``dead``) and the
-process exits 1; the process also exits when its parent dies (SIGKILL leaves no orphan). SIGINT
+process exits 1; the process also exits when its parent dies (SIGKILL leaves no orphan). A heartbeat
+from the loop itself (an empty ``outputs`` at least every ``BEAT_S`` to each front end with requests
+in flight) lets a front end tell a hung core (alive, not stepping) from a busy one. SIGINT
 is ignored (Ctrl-C reaches the whole process group: the API server shuts the core down in order);
 SIGTERM stops it.
 """
@@ -20,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import zmq
@@ -29,6 +32,9 @@ from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.errors import EngineDeadError
 
 log = logging.getLogger("tokenfab.core")
+# the loop tells each front end with requests in flight that it is alive at least this often (an
+# empty ``outputs``), even through chunked prefills that emit no token for many steps
+BEAT_S = 1.0
 
 
 def pid_fd(pid: int) -> int | None:
@@ -65,6 +71,7 @@ class EngineCore:
         self._structured: Any = None
         self._stop = False
         self._dirty: set[bytes] = set()  # front ends owed a stats update
+        self._last_beat = 0.0
 
     # ---- facts for the handshake ----
     def info(self) -> dict[str, Any]:
@@ -102,6 +109,18 @@ class EngineCore:
             if self.engine.has_unfinished_requests():
                 self._step()
             self._flush_stats()
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """An empty ``outputs`` to every front end with requests in flight, at most every ``BEAT_S``.
+        Sent by the loop, not by a thread: a core stuck in a kernel or a collective goes silent, and
+        the front end (``EngineCoreClient``, its hang bound) declares it dead."""
+        now = time.monotonic()
+        if now - self._last_beat < BEAT_S:
+            return
+        self._last_beat = now
+        for ident in {ident for ident, _ in self._route.values()}:
+            self._send(ident, ipc.encode("outputs", [], None))
 
     def _parent_gone(self, events: dict) -> bool:
         if self._parent_fd is not None:
