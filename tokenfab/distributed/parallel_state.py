@@ -26,6 +26,9 @@ class CommCounter:
     def add(self, kind: str, t: torch.Tensor) -> None:
         self.calls.append((kind, t.numel() * t.element_size()))
 
+    def add_bytes(self, kind: str, nbytes: int) -> None:
+        self.calls.append((kind, int(nbytes)))
+
     def total(self, kind: str | None = None) -> int:
         return sum(b for k, b in self.calls if kind is None or k == kind)
 
@@ -39,6 +42,12 @@ class ParallelState:
     dp_size: int = 1
     dp_group: dist.ProcessGroup | None = None
     counter: CommCounter | None = None
+    # expert parallel (init_expert_parallel): vLLM's rule, EP size = TP x DP (every rank), the EP
+    # group being the TP group at DP 1; off: ep_size 1 and experts TP-sharded
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    ep_redundant: int = 0  # EPLB: redundant physical experts per MoE layer (all ranks together)
 
 
 _state = ParallelState()
@@ -117,3 +126,73 @@ def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(s.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=s.tp_group)
     return torch.cat(parts, dim=-1)
+
+
+# ---------------------------------------------------------------- expert parallel
+
+
+def init_expert_parallel(enabled: bool = True, num_redundant_experts: int = 0) -> ParallelState:
+    """Turn expert parallelism on (after ``init_parallel``; every rank calls it): the EP group is every
+    rank of the world (TP x DP ranks, vLLM's rule), ep_rank the global rank. Off: EP size 1.
+    ``num_redundant_experts``: EPLB's extra physical experts per MoE layer (replicas of hot experts)."""
+    s = _state
+    if num_redundant_experts < 0:
+        raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant_experts}")
+    s.ep_redundant = num_redundant_experts
+    if not enabled or not dist.is_initialized() or dist.get_world_size() == 1:
+        s.ep_rank, s.ep_size, s.ep_group = 0, 1, None
+        return s
+    world = dist.get_world_size()
+    s.ep_group = s.tp_group if s.dp_size == 1 else dist.new_group(list(range(world)))
+    s.ep_rank, s.ep_size = dist.get_rank(), world
+    return s
+
+
+def ep_all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_splits: list[int] | None = None,
+                  kind: str = "all_to_all") -> torch.Tensor:
+    """``all_to_all_single`` over the EP group along dim 0 (equal splits when None). The counter records
+    the bytes this rank sends to *other* ranks (its own chunk stays local)."""
+    s = _state
+    if s.ep_size == 1:
+        return x
+    x = x.contiguous()
+    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    if recv_splits is None:
+        out = torch.empty_like(x)
+    else:
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    if s.counter is not None:
+        own = send_splits[s.ep_rank] if send_splits is not None else x.shape[0] // s.ep_size
+        s.counter.add_bytes(kind, (x.shape[0] - own) * row)
+    dist.all_to_all_single(out, x, recv_splits, send_splits, group=s.ep_group)
+    return out
+
+
+def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the EP group, in place (expert-load counters; not counted as step traffic)."""
+    s = _state
+    if s.ep_size > 1:
+        dist.all_reduce(x, group=s.ep_group)
+    return x
+
+
+def ep_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every EP rank's ``x`` along dim 0 (rank order); used by expert rebalancing."""
+    s = _state
+    if s.ep_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(s.ep_size)]
+    dist.all_gather(parts, x.contiguous(), group=s.ep_group)
+    return torch.cat(parts, dim=0)
+
+
+def tp_all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every TP rank's ``x`` along dim 0 (rank order): the MoE's token split under TP + EP."""
+    s = _state
+    if s.tp_size == 1:
+        return x
+    if s.counter is not None:
+        s.counter.add("all_gather", x)
+    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=s.tp_group)
+    return torch.cat(parts, dim=0)

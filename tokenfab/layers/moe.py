@@ -17,6 +17,9 @@ import re
 import torch
 from torch import nn
 
+from tokenfab.distributed import ep_dispatch
+from tokenfab.distributed import parallel_state as ps
+from tokenfab.distributed.eplb import ExpertPlacement, identity_placement, rebalance_experts, select_replica
 from tokenfab.kernels import silu_and_mul
 from tokenfab.kernels.moe import ACTIVATIONS, fused_experts, grouped_topk, topk_softmax
 from tokenfab.layers.linear import Linear, MergedLinear
@@ -60,12 +63,30 @@ class FusedMoE(nn.Module):
     ) -> None:
         """``scoring`` "softmax" with one group and no correction bias routes by softmax top-k
         (``renormalize``: the k weights sum to 1); anything else by ``grouped_topk``.
-        ``activation``: "silu" (silu(g) * u) or "swiglu_oai" (GPT-OSS, with alpha and limit)."""
+        ``activation``: "silu" (silu(g) * u) or "swiglu_oai" (GPT-OSS, with alpha and limit).
+
+        Parallel layout (read from ``parallel_state`` when the layer is built):
+        - expert parallel (EP size > 1): this rank holds ``num_local_experts`` = (E + redundant) / ep
+          whole physical experts (``placement``: EPLB's phy2log/log2phy/logcnt), tokens go to them
+          by all-to-all (``distributed/ep_dispatch.py``); under TP the TP ranks split the (identical)
+          tokens, dispatch their share and all-gather the results;
+        - TP without EP: every expert's intermediate dim is split (w13 by rows, w2 by columns; the
+          down bias is added on TP rank 0 only) and the partial outputs are all-reduced.
+        """
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, not {activation!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+        st = ps.get_parallel_state()
+        self.ep_size, self.ep_rank = st.ep_size, st.ep_rank
+        self.tp_size, self.tp_rank = st.tp_size, st.tp_rank
+        self.tp_sharded = self.ep_size == 1 and self.tp_size > 1
+        if self.tp_sharded and intermediate_size % self.tp_size:
+            raise ValueError(f"expert intermediate size {intermediate_size} does not divide by TP {self.tp_size}")
+        self.full_intermediate_size = intermediate_size
+        if self.tp_sharded:
+            intermediate_size //= self.tp_size
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scoring = renormalize, scoring
@@ -73,23 +94,46 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, float(swiglu_alpha), float(swiglu_limit)
         self.gate = Linear(hidden_size, num_experts, bias=router_bias)
-        e, i, h = num_experts, intermediate_size, hidden_size
+        self.placement: ExpertPlacement | None = None
+        self.num_local_experts = num_experts
+        if self.ep_size > 1:
+            self._set_placement(identity_placement(num_experts, self.ep_size, st.ep_redundant))
+        # tokens routed to each logical expert since the last rebalance (this rank's; on the device)
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        e, i, h = self.num_local_experts, intermediate_size, hidden_size
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False) if expert_bias else None
         self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False) if expert_bias else None
         self.e_score_correction_bias = (
-            nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False) if correction_bias else None
+            nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            if correction_bias else None
         )
         self.shared_experts = shared_experts
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self._loaded: dict[str, set] = {}
         # quantized experts (tokenfab/quant): when set, they replace the stacked weights' product and
-        # take the checkpoint's expert tensors (load_expert(kind, suffix, tensor, expert))
+        # take the checkpoint's expert tensors (load_expert(kind, suffix, tensor, local slot)); they
+        # are built for ``num_local_experts`` experts
         self.quant_experts: nn.Module | None = None
+
+    def _set_placement(self, placement: ExpertPlacement) -> None:
+        self.placement = placement
+        self.num_local_experts = placement.num_local
+        self._local_logical = placement.local_logical(self.ep_rank).tolist()
+        dev = self.gate.weight.device if hasattr(self, "gate") else None
+        for name in ("log2phy", "logcnt"):
+            t = getattr(placement, name).to(dev)
+            if name in self._buffers:
+                self._buffers[name] = t
+            else:
+                self.register_buffer(name, t, persistent=False)
 
     def set_quant_experts(self, experts: nn.Module) -> None:
         """Hand the experts' product and weights to a quantized module; the plain stacked weights go."""
+        if self.tp_sharded:
+            raise NotImplementedError("quantized experts split by tensor parallelism are not supported: "
+                                      "use --enable-expert-parallel (whole experts per rank)")
         self.quant_experts = experts
         for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
             setattr(self, name, None)
@@ -107,15 +151,28 @@ class FusedMoE(nn.Module):
             self.renormalize, self.routed_scaling_factor, self.scoring,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's stacked experts (ids are local slots) on x [T, H] -> [T, H]."""
         if self.quant_experts is not None:
-            out = self.quant_experts(x, weights, ids)
+            return self.quant_experts(x, weights, ids)
+        return fused_experts(
+            x, self.w13_weight, self.w2_weight, weights, ids, self.w13_bias, self.w2_bias, self.activation,
+            self.swiglu_alpha, self.swiglu_limit,
+        )
+
+    def _count_load(self, ids: torch.Tensor) -> None:
+        flat = ids.reshape(-1).long()
+        self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # no host sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            out = self._forward_ep(x)
         else:
-            out = fused_experts(
-                x, self.w13_weight, self.w2_weight, weights, ids, self.w13_bias, self.w2_bias, self.activation,
-                self.swiglu_alpha, self.swiglu_limit,
-            )
+            weights, ids = self.route(x)
+            self._count_load(ids)
+            out = self.experts(x, weights, ids)
+            if self.tp_sharded:
+                out = ps.tp_all_reduce(out)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -123,10 +180,90 @@ class FusedMoE(nn.Module):
             out = out + shared
         return out
 
+    def _forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        chunk = -(-t // self.tp_size)
+        xs = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk] if self.tp_size > 1 else x
+        weights, ids = self.route(xs)
+        self._count_load(ids)
+        phys = select_replica(ids, self.log2phy, self.logcnt)
+        mode, capacity = ep_dispatch.ep_mode()
+        if mode == "auto":  # decode-sized batches go the static low-latency way
+            mode = "low_latency" if xs.shape[0] <= capacity else "normal"
+        out = ep_dispatch.dispatch_combine(xs, phys, weights, self.experts, self.ep_size, self.num_local_experts,
+                                           mode, capacity)
+        if self.tp_size > 1:
+            if out.shape[0] < chunk:
+                out = torch.cat((out, out.new_zeros(chunk - out.shape[0], out.shape[1])))
+            out = ps.tp_all_gather_rows(out)[:t]
+        return out
+
+    # ------------------------------------------------------------------ EPLB
+
+    def _expert_tensors(self) -> list[torch.Tensor]:
+        """Every tensor stacked by local expert slot (plain or quantized), for rebalancing."""
+        if self.quant_experts is not None:
+            return [b for b in self.quant_experts.buffers() if b is not None and b.dim() > 0
+                    and b.shape[0] == self.num_local_experts]
+        return [p.data for p in (self.w13_weight, self.w2_weight, self.w13_bias, self.w2_bias) if p is not None]
+
+    @torch.no_grad()
+    def rebalance(self, load: torch.Tensor | None = None) -> ExpertPlacement:
+        """Re-place the experts from ``load`` [E] (default: the measured ``expert_load`` summed over the
+        EP group) with the same number of redundant slots; every EP rank calls it between steps.
+        Weights move by one all-gather of each stacked expert tensor over the EP group (transiently
+        every physical expert on each rank: simple, sized for modest layers), then each new slot copies
+        a replica of its logical expert. The load counter restarts."""
+        if self.placement is None:
+            raise RuntimeError("rebalance needs expert parallelism (EP size > 1)")
+        if load is None:
+            load = ps.ep_all_reduce(self.expert_load.clone())
+        old = self.placement
+        new = rebalance_experts(load, self.ep_size, old.num_physical - old.num_logical)
+        src = old.log2phy[new.local_logical(self.ep_rank), 0]  # a replica of each new slot's expert
+        for t in self._expert_tensors():
+            full = ps.ep_all_gather(t)
+            t.copy_(full[src.to(full.device)])
+        self._set_placement(new)
+        self.expert_load.zero_()
+        return new
+
     # ------------------------------------------------------------------ loading
 
-    def _slot(self, kind: str, expert: int | None) -> tuple[str, torch.Tensor, list[tuple[int, int]]]:
-        """(parameter name, destination view, units it fills) for a checkpoint tensor."""
+    def local_slots(self, expert: int) -> list[int]:
+        """This rank's slots holding logical ``expert`` (empty: another rank's expert)."""
+        if self.placement is None:
+            return [expert]
+        return [s for s, lg in enumerate(self._local_logical) if lg == expert]
+
+    def local_stack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A stacked checkpoint tensor [E, ...] -> this rank's slots [L, ...]."""
+        if self.placement is None:
+            return tensor
+        if tensor.shape[0] != self.num_experts:
+            raise ValueError(f"stacked expert tensor has {tensor.shape[0]} experts, expected {self.num_experts}")
+        return tensor[torch.tensor(self._local_logical, device=tensor.device)]
+
+    def _tp_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The TP rank's part of a full-size checkpoint tensor (intermediate dim split)."""
+        i, r = self.intermediate_size, self.tp_rank
+        full = self.full_intermediate_size
+        if kind in ("gate", "up", "gate_bias", "up_bias"):
+            return tensor.narrow(0, r * i, i) if tensor.shape[0] == full else tensor
+        if kind == "down":
+            return tensor.narrow(1, r * i, i) if tensor.dim() == 2 and tensor.shape[1] == full else tensor
+        if kind in ("w13", "w13_bias"):
+            if tensor.dim() < 2 or tensor.shape[1] != 2 * full:
+                return tensor
+            return torch.cat((tensor.narrow(1, r * i, i), tensor.narrow(1, full + r * i, i)), dim=1)
+        if kind == "w2":
+            return tensor.narrow(2, r * i, i) if tensor.dim() == 3 and tensor.shape[2] == full else tensor
+        if kind in ("down_bias", "w2_bias"):
+            return tensor if r == 0 else torch.zeros_like(tensor)  # added once, before the all-reduce
+        return tensor
+
+    def _slot(self, kind: str, expert: int | None) -> tuple[str, list[torch.Tensor], list[tuple[int, int]]]:
+        """(parameter name, destination views, units they fill) for a checkpoint tensor."""
         i = self.intermediate_size
         per_expert = {
             "gate": ("w13_weight", slice(0, i), 0),
@@ -144,28 +281,36 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"checkpoint has expert {kind} but the layer has no {name}")
             if expert is None or not 0 <= expert < self.num_experts:
                 raise ValueError(f"expert index {expert} out of range 0..{self.num_experts - 1}")
-            return name, param.data[expert, rows], [(expert, half)]
+            slots = self.local_slots(expert)
+            return name, [param.data[s, rows] for s in slots], [(s, half) for s in slots]
         if kind in stacked:
             name = stacked[kind]
             param = getattr(self, name)
             if param is None:
                 raise ValueError(f"checkpoint has expert {kind} but the layer has no {name}")
             halves = (0, 1) if kind.startswith("w13") else (0,)
-            return name, param.data, [(e, h) for e in range(self.num_experts) for h in halves]
+            return name, [param.data], [(e, h) for e in range(self.num_local_experts) for h in halves]
         raise ValueError(f"unknown expert tensor kind {kind!r}")
 
     def load_expert_weight(self, kind: str, tensor: torch.Tensor, expert: int | None = None) -> list[str]:
         """Copy a checkpoint tensor into the stacked weights; returns the parameters (names
         relative to this module) that are complete after it.
 
-        Per expert (``expert`` = e): "gate", "up" [I, H], "down" [H, I], "gate_bias", "up_bias"
-        [I], "down_bias" [H]. All experts at once: "w13" [E, 2I, H] (gate rows then up rows),
-        "w2" [E, H, I], "w13_bias" [E, 2I], "w2_bias" [E, H]. A wrong shape is a ValueError.
+        Per expert (``expert`` = e, the logical id): "gate", "up" [I, H], "down" [H, I], "gate_bias",
+        "up_bias" [I], "down_bias" [H]. All experts at once: "w13" [E, 2I, H] (gate rows then up
+        rows), "w2" [E, H, I], "w13_bias" [E, 2I], "w2_bias" [E, H]. Full-size tensors: under EP an
+        expert this rank does not hold is skipped (copied to every local replica otherwise), under
+        TP each rank takes its intermediate slice. A wrong shape is a ValueError.
         """
-        name, dst, units = self._slot(kind, expert)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"expert tensor {kind} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        name, dsts, units = self._slot(kind, expert)
+        if self.tp_sharded:
+            tensor = self._tp_shard(kind, tensor)
+        if expert is None and kind in ("w13", "w2", "w13_bias", "w2_bias"):
+            tensor = self.local_stack(tensor)
+        for dst in dsts:
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"expert tensor {kind} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
         done = self._loaded.setdefault(name, set())
         if len(done) == self._units(name):
             return []  # already reported complete (a tensor given twice)
@@ -173,7 +318,7 @@ class FusedMoE(nn.Module):
         return [name] if len(done) == self._units(name) else []
 
     def _units(self, name: str) -> int:
-        return self.num_experts * (2 if name.startswith("w13") else 1)
+        return self.num_local_experts * (2 if name.startswith("w13") else 1)
 
 
 # Per-expert checkpoint projections -> FusedMoE tensor kinds (Qwen/DeepSeek and Mixtral names).
@@ -201,7 +346,13 @@ def load_moe_tensor(model: nn.Module, module: str, kind: str, tensor: torch.Tens
     if moe.quant_experts is not None:
         if kind.endswith("_bias"):
             kind, suffix = kind.removesuffix("_bias"), "bias"
-        moe.quant_experts.load_expert(kind, suffix, tensor, expert)
+        if expert is None:  # stacked [E, ...]: this rank's slots under EP
+            moe.quant_experts.load_expert(kind, suffix, moe.local_stack(tensor), None)
+        else:
+            if not 0 <= expert < moe.num_experts:
+                raise ValueError(f"{module}: expert index {expert} out of range 0..{moe.num_experts - 1}")
+            for slot in moe.local_slots(expert):  # none: another EP rank's expert
+                moe.quant_experts.load_expert(kind, suffix, tensor, slot)
         return []
     if suffix != "weight":
         raise ValueError(f"{module}: expert tensor {kind}.{suffix} is quantized but the layer's experts are not")

@@ -45,7 +45,7 @@ def _dequantize_stack(w: torch.Tensor, s: torch.Tensor, group_rows: int, dtype: 
 class FP8Experts(QuantizedModule):
     def __init__(self, moe: nn.Module, scheme: str = "block", ue8m0: bool = False) -> None:
         super().__init__()
-        e, i, h = moe.num_experts, moe.intermediate_size, moe.hidden_size
+        e, i, h = moe.num_local_experts, moe.intermediate_size, moe.hidden_size  # this EP rank's slots
         self.num_experts, self.intermediate_size, self.hidden_size = e, i, h
         self.scheme, self.ue8m0 = scheme, ue8m0
         self.dtype = moe.w13_weight.dtype

@@ -36,7 +36,7 @@ class Int4Experts(QuantizedModule):
 
     def __init__(self, moe: nn.Module) -> None:
         super().__init__()
-        e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+        e, h, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size  # this EP rank's slots
         if h % GROUP or i % GROUP:
             raise ValueError(f"INT4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples of 32")
         if moe.w13_bias is not None:

@@ -33,7 +33,7 @@ class Mxfp4Experts(QuantizedModule):
 
     def __init__(self, moe: nn.Module) -> None:
         super().__init__()
-        e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+        e, h, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size  # this EP rank's slots
         if h % 32 or i % 32:
             raise ValueError(f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples of 32")
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
