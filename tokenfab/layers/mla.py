@@ -32,13 +32,18 @@ from tokenfab.kernels.paged import gather_kv
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import RotaryEmbedding
+from tokenfab.quant.kv_fp8 import calibrate_scale_
 
 
 def mla_attend(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-               kv_lora_rank: int) -> torch.Tensor:
-    """MLA over the latent cache (``kernels.mla_attention``: Triton or the reference by the kernel rule)."""
+               kv_lora_rank: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA over the latent cache (``kernels.mla_attention``: Triton or the reference by the kernel rule);
+    ``kv_scale``: the FP8 cache's scale (None: a cache in the model dtype)."""
+    if kv_scale is None:
+        return mla_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+                             batch.max_query_len, batch.max_context_len, scale, kv_lora_rank)
     return mla_attention(q, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, batch.max_query_len,
-              batch.max_context_len, scale, kv_lora_rank)
+                         batch.max_context_len, scale, kv_lora_rank, kv_scale=kv_scale)
 
 
 class MLAAttention(nn.Module):
@@ -65,6 +70,11 @@ class MLAAttention(nn.Module):
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.scale, self.extra_dim = scale, extra_dim
         self.kv_cache: torch.Tensor | None = None
+        # FP8 latent cache (tokenfab/quant/kv_fp8.py): the cache dtype (None: the model's) and one float32 [1]
+        # scale for the whole row (``kv_scale``, bound by the runner; ``kv_calibrate``: set it from the first batch)
+        self.kv_cache_dtype: torch.dtype | None = None
+        self.kv_scale: torch.Tensor | None = None
+        self.kv_calibrate = False
 
     def kv_cache_spec(self) -> tuple[int, ...]:
         """Per-token shape of this layer's cache entry (the runner's dtype): one head of r + rope (+ extra) values."""
@@ -73,7 +83,13 @@ class MLAAttention(nn.Module):
     def store(self, latent: torch.Tensor, rest: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Write latent [T, r] and ``rest`` [T, rope (+ extra)] into the tokens' slots; returns the cache."""
         assert self.kv_cache is not None, "MLA cache not bound: the model runner binds kv_cache"
-        store_latent(latent, rest, self.kv_cache, batch.slot_mapping)
+        if self.kv_scale is None:
+            store_latent(latent, rest, self.kv_cache, batch.slot_mapping)
+            return self.kv_cache
+        if self.kv_calibrate and latent.shape[0] > 0:  # one-shot: amax / 448 of the first batch's rows
+            calibrate_scale_(self.kv_scale, torch.stack((latent.abs().amax(), rest.abs().amax())))
+            self.kv_calibrate = False
+        store_latent(latent, rest, self.kv_cache, batch.slot_mapping, scale=self.kv_scale)
         return self.kv_cache
 
     def absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
@@ -97,7 +113,7 @@ class MLAAttention(nn.Module):
         if self.use_expanded(batch):
             return self.expanded(q_nope, q_pe, cache, kv_b_weight, batch)
         q = self.absorb(q_nope, q_pe, kv_b_weight)
-        o_lat = mla_attend(q, cache, batch, self.scale, self.kv_lora_rank)  # [T, H, r]
+        o_lat = mla_attend(q, cache, batch, self.scale, self.kv_lora_rank, self.kv_scale)  # [T, H, r]
         return self.expand_out(o_lat, kv_b_weight)
 
     def use_expanded(self, batch: ForwardBatch) -> bool:
@@ -115,6 +131,8 @@ class MLAAttention(nn.Module):
         b, bs = batch.num_seqs, self.EXPAND_BLOCK
         n = -(-batch.max_context_len // bs) * bs
         rows = gather_kv(cache[:, :, 0], batch.block_tables, batch.max_context_len)  # [B, L, width]
+        if self.kv_scale is not None:  # FP8 latent cache: dequantized rows
+            rows = (rows.float() * self.kv_scale).to(kv_b_weight.dtype)
         kv = F.linear(rows[..., :r], kv_b_weight).view(b, -1, h, nope + dv)
         k = torch.cat((kv[..., :nope], rows[:, :, None, r : r + rope].expand(-1, -1, h, -1)), dim=-1)
         pad = n - batch.max_context_len

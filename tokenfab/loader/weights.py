@@ -12,6 +12,7 @@ from tokenfab.layers.linear import MergedLinear
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.formats import is_plain_float, may_be_taken_packed, unsupported_tensor_problem
 from tokenfab.quant.base import QuantizedModule
+from tokenfab.quant.kv_fp8 import take_kv_scale
 
 # Checkpoint entries that carry no weights we need: the rotary frequencies some Llama exports
 # save (we compute them from the config). Models skip their own known extras themselves
@@ -69,6 +70,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             ckpt_name = remap(ckpt_name)
             if ckpt_name is None:
                 continue
+        try:  # FP8 KV-cache scales (k_scale / v_scale): kept on their attention layer (quant/kv_fp8.py)
+            if take_kv_scale(ckpt_name, tensor, modules):
+                continue
+        except ValueError as e:
+            raise ModelLoadError(where(), str(e)) from e
         plain = is_plain_float(tensor)
         if quantized is not None:  # a quantized layer (tokenfab/quant) takes its checkpoint tensors itself
             qname, qshard = _target(model, ckpt_name)

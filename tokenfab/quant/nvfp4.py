@@ -15,8 +15,9 @@ kernel's docstring says where a Blackwell FP4 tensor-core path slots in.
 Supported: dense linears and MoE experts (per-expert tensors; gate and up keep their own global
 scales). ``exclude_modules`` entries are module names or globs (``*``). Other ModelOpt algorithms
 (FP8, W4A8_AWQ) are refused with the variant named;
-an FP8 KV-cache setting (``kv_cache_quant_algo``) is not applied (the cache keeps the model
-dtype) and is reported in ``describe()``.
+with ``kv_cache_quant_algo: "FP8"`` the checkpoint ships per-layer ``self_attn.{k,v}_proj.{k,v}_scale``:
+the loader keeps them on the attention layers (``quant/kv_fp8.py``) and ``--kv-cache-dtype fp8`` uses
+them (without the flag the cache keeps the model dtype); another KV algorithm is reported, not applied.
 """
 
 from __future__ import annotations
@@ -120,7 +121,11 @@ class Nvfp4Method(QuantMethod):
         return 0.5 + 1 / 16  # a nibble plus an E4M3 scale per 16 weights
 
     def describe(self) -> str:
-        kv = f"; kv_cache_quant_algo {self.kv_cache_algo} not applied" if self.kv_cache_algo else ""
+        kv = ""
+        if self.kv_cache_algo:
+            fp8 = str(self.kv_cache_algo).upper() == "FP8"
+            kv = ("; FP8 KV-cache scales loaded (used with --kv-cache-dtype fp8)" if fp8
+                  else f"; kv_cache_quant_algo {self.kv_cache_algo} not applied")
         return f"ModelOpt NVFP4 (E2M1 + E4M3 per 16 x global), kept packed; W4A16 kernels (no FP4 tensor cores){kv}"
 
 

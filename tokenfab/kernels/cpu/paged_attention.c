@@ -33,6 +33,11 @@
  * decode row at its position (speculation's greedy output then equals plain decoding's). A row's
  * result never depends on the other rows or sequences of the batch, nor on the kv-head split.
  *
+ * FP8 caches (float8 e4m3, `paged_attention_{f32,bf16}_fp8kv`): a stored byte is decoded to float by bit
+ * arithmetic (AVX-512: 16 at a time; no table, no float subnormals involved) into the same row buffers
+ * the bfloat16 path widens into; the key scale is folded into the query scale and the value scale
+ * into the final 1 / denominator, so no per-element multiply is added.
+ *
  * Longer prefill chunks run `attend_block`: a task is a block of up to 16 query tokens of one kv head's
  * GQA group, so each 16-key tile read from the cache serves up to 64 query rows; one pass with
  * an online softmax, causal (and window) masks per row. Both kinds of task go into one list,
@@ -66,8 +71,48 @@ typedef struct {
     float scale, softcap;
     int64_t window;
     const float *sinks;
-    int bf16;
+    int bf16;   /* q and out are bfloat16 (else float32) */
+    int kv;     /* cache element kind: KV_F32, KV_BF16 or KV_E4M3 */
+    float vscale; /* the value cache's scale (1 unless fp8) */
 } Args;
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2 };
+
+/* bytes of one cache element */
+static inline int64_t kv_esz(const Args *a) { return a->kv == KV_E4M3 ? 1 : a->kv == KV_BF16 ? 2 : 4; }
+
+/* a float8 e4m3 (fn: no infinities) byte as float: exponent bits 6..3 (bias 7), mantissa bits 2..0;
+ * 0x7f / 0xff (NaN) are never stored (writers clamp to +-448) and read as +-480 */
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t mag = b & 0x7fu;
+    float f;
+    if (mag < 8) {
+        f = (float)mag * (1.0f / 512.0f); /* subnormal: m * 2^-9 */
+    } else {
+        const uint32_t u = (mag << 20) + (120u << 23); /* exponent rebased from 7 to 127 */
+        memcpy(&f, &u, sizeof f);
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+/* n e4m3 bytes widened to float */
+static inline void widen_e4m3(const uint8_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512i low7 = _mm512_set1_epi32(0x7f), rebias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8);
+    const __m512 sub_step = _mm512_set1_ps(1.0f / 512.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m512i mag = _mm512_and_si512(b, low7);
+        const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), rebias));
+        const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub_step);
+        const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, subnormal);
+        const __m512i sign = _mm512_slli_epi32(_mm512_andnot_si512(low7, b), 24); /* bit 7 -> bit 31 */
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
+}
 
 #ifdef __AVX512F__
 /* lane i of the result is the sum of acc[i]'s 16 lanes: a transpose-add tree, 15 shuffle-add
@@ -158,13 +203,16 @@ static inline void spread_prefetch_step(SpreadPrefetch *p) {
 }
 
 /* rows[i] (i < cnt) = the n-element cache row at byte address tok[i] + off, as floats: in place
- * for float32, widened into rowbuf (cnt x n) for bfloat16 */
-static inline void tile_rows(const char *const *tok, int cnt, int64_t off, int64_t n, int bf16, float *rowbuf,
+ * for float32, widened into rowbuf (cnt x n) for bfloat16 and e4m3 (kind: KV_*) */
+static inline void tile_rows(const char *const *tok, int cnt, int64_t off, int64_t n, int kind, float *rowbuf,
                              const float **rows) {
     for (int i = 0; i < cnt; i++) {
         const char *p = tok[i] + off;
-        if (bf16) {
+        if (kind == KV_BF16) {
             widen_bf16((const uint16_t *)p, rowbuf + i * n, n);
+            rows[i] = rowbuf + i * n;
+        } else if (kind == KV_E4M3) {
+            widen_e4m3((const uint8_t *)p, rowbuf + i * n, n);
             rows[i] = rowbuf + i * n;
         } else {
             rows[i] = (const float *)p;
@@ -238,7 +286,7 @@ static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t
     const int64_t start = (a->window > 0 && pos0 + 1 > a->window) ? pos0 + 1 - a->window : 0;
     const int64_t n_pad = lines(L - start);
     const int32_t *bt = a->table + b * a->bt_s;
-    const int64_t esz = a->bf16 ? 2 : 4;
+    const int64_t esz = kv_esz(a); /* cache element bytes */
     /* bytes of one token's rows for heads h0..h1-1 */
     const int64_t k_span = ((nh - 1) * a->k_sh + D) * esz, v_span = ((nh - 1) * a->v_sh + Dv) * esz;
 
@@ -254,7 +302,7 @@ static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t
             for (int64_t d = 0; d < D; d++) qf[r * D + d] *= a->scale;
         }
     /* bfloat16 keys: dot products straight from the cache with AVX512-BF16 where available */
-    const int bf16_dot = HAVE_DOT16_BF16 && a->bf16 && D % 32 == 0;
+    const int bf16_dot = HAVE_DOT16_BF16 && a->kv == KV_BF16 && D % 32 == 0;
     (void)bf16_dot;
     /* scores s[r][t - start], 16 keys at a time; a token's heads are adjacent in memory. Query i
      * takes the tiles that start before its own end (pos0 + i + 1), as a decode row of it would. */
@@ -286,7 +334,7 @@ static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t
 #endif
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
-            tile_rows(tok, TILE, h * a->k_sh * esz, D, a->bf16, rowbuf, rows);
+            tile_rows(tok, TILE, h * a->k_sh * esz, D, a->kv, rowbuf, rows);
             for (int64_t i = i_lo; i < nq; i++)
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t r = i * Rh + (h - h0) * G + g;
@@ -301,7 +349,7 @@ static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t
         float *sr = s + r * n_pad;
         if (a->softcap > 0.0f)
             for (int64_t i = 0; i < n; i++) sr[i] = a->softcap * tanhf(sr[i] / a->softcap);
-        inv[r] = softmax_inplace(sr, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r % Rh] : 0.0f);
+        inv[r] = softmax_inplace(sr, n, a->sinks != NULL, a->sinks ? a->sinks[h0 * G + r % Rh] : 0.0f) * a->vscale;
     }
     /* acc[r] = sum_t p[r][t] * v[t], 16 values at a time: acc[r] is loaded and stored once per tile */
     memset(acc, 0, sizeof(float) * R * Dv);
@@ -318,7 +366,7 @@ static void attend(const Args *a, int64_t b, int64_t row0, int64_t pos0, int64_t
                              h0 * a->v_sh, esz, v_span, (nq - i_lo) * Rh);
         for (int64_t h = h0; h < h1; h++) {
             const float *rows[TILE];
-            tile_rows(tok, cnt, h * a->v_sh * esz, Dv, a->bf16, rowbuf, rows);
+            tile_rows(tok, cnt, h * a->v_sh * esz, Dv, a->kv, rowbuf, rows);
             for (int64_t i = i_lo; i < nq; i++) {
                 /* query i's keys in this tile: up to its own position, as in its decode row */
                 const int64_t end = pos0 + i + 1 - t0;
@@ -423,7 +471,7 @@ static inline void axpy_rows2(float *acc0, float *acc1, const float *p0, const f
 static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, int64_t nt, int64_t h, float *buf) {
     const int64_t G = a->Hq / a->Hkv, D = a->D, Dv = a->Dv, BS = a->BS, R = nt * G;
     const int32_t *bt = a->table + b * a->bt_s;
-    const int64_t esz = a->bf16 ? 2 : 4, last = pos0 + nt - 1;
+    const int64_t esz = a->bf16 ? 2 : 4, cesz = kv_esz(a), last = pos0 + nt - 1;
     float *qf = buf, *acc = qf + R * D, *s = acc + R * Dv, *m = s + R * KSTEP, *l = m + R;
     float *kbuf = l + R, *vbuf = kbuf + KSTEP * D;
     for (int64_t i = 0; i < nt; i++)
@@ -443,12 +491,12 @@ static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, i
         for (int i = 0; i < n16; i++) {
             const int64_t t = i < cnt ? t0 + i : last; /* the tail repeats a valid row */
             const int64_t blk = bt[t / BS], slot = t % BS;
-            ktok[i] = (const char *)a->k + (blk * a->k_sblk + slot * a->k_sslot + h * a->k_sh) * esz;
-            vtok[i] = (const char *)a->v + (blk * a->v_sblk + slot * a->v_sslot + h * a->v_sh) * esz;
+            ktok[i] = (const char *)a->k + (blk * a->k_sblk + slot * a->k_sslot + h * a->k_sh) * cesz;
+            vtok[i] = (const char *)a->v + (blk * a->v_sblk + slot * a->v_sslot + h * a->v_sh) * cesz;
         }
         const float *krows[KSTEP], *vrows[KSTEP];
-        tile_rows(ktok, n16, 0, D, a->bf16, kbuf, krows);
-        tile_rows(vtok, cnt, 0, Dv, a->bf16, vbuf, vrows); /* value rows past cnt are never read */
+        tile_rows(ktok, n16, 0, D, a->kv, kbuf, krows);
+        tile_rows(vtok, cnt, 0, Dv, a->kv, vbuf, vrows); /* value rows past cnt are never read */
         int j_end[2] = {0, 0};
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * KSTEP;
@@ -471,7 +519,7 @@ static void attend_block(const Args *a, int64_t b, int64_t tok0, int64_t pos0, i
     for (int64_t i = 0; i < nt; i++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = i * G + g;
-            const float inv = 1.0f / l[r];
+            const float inv = a->vscale / l[r];
             for (int64_t d = 0; d < Dv; d++) acc[r * Dv + d] *= inv;
             store_row(acc + r * Dv, a->bf16, (char *)a->out + (((tok0 + i) * a->Hq + h * G + g) * Dv) * esz, Dv);
         }
@@ -615,9 +663,26 @@ static int run(const Args *a) {
               float softcap, const float *sinks) {                                                            \
         Args a = {q,    k,      v,       table, cu,      ctx,  out,    B,      Hq,      Hkv,  D,  Dv,  BS,     \
                   q_st, q_sh,   k_sblk,  k_sslot, k_sh,  v_sblk, v_sslot, v_sh, bt_s,    scale, softcap,      \
-                  window, sinks, IS_BF16};                                                                    \
+                  window, sinks, IS_BF16, IS_BF16 ? KV_BF16 : KV_F32, 1.0f};                                  \
         return run(&a);                                                                                       \
     }
 
 ENTRY(paged_attention_f32, 0)
 ENTRY(paged_attention_bf16, 1)
+
+/* The same over float8 e4m3 caches: k_scale / v_scale point to the float32 scales (a read is
+ * e4m3 * scale); k_scale is folded into the softmax scale, v_scale into the output. */
+#define ENTRY_FP8(NAME, IS_BF16)                                                                              \
+    int NAME(const void *q, const void *k, const void *v, const int32_t *table, const int32_t *cu,           \
+              const int32_t *ctx, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,       \
+              int64_t BS, int64_t q_st, int64_t q_sh, int64_t k_sblk, int64_t k_sslot, int64_t k_sh,          \
+              int64_t v_sblk, int64_t v_sslot, int64_t v_sh, int64_t bt_s, float scale, int64_t window,       \
+              float softcap, const float *sinks, const float *k_scale, const float *v_scale) {                \
+        Args a = {q,    k,      v,       table, cu,      ctx,  out,    B,      Hq,      Hkv,  D,  Dv,  BS,     \
+                  q_st, q_sh,   k_sblk,  k_sslot, k_sh,  v_sblk, v_sslot, v_sh, bt_s,    scale * *k_scale,    \
+                  softcap, window, sinks, IS_BF16, KV_E4M3, *v_scale};                                        \
+        return run(&a);                                                                                       \
+    }
+
+ENTRY_FP8(paged_attention_f32_fp8kv, 0)
+ENTRY_FP8(paged_attention_bf16_fp8kv, 1)
