@@ -35,9 +35,21 @@ class EngineArgs:
     # speculative decoding (vLLM's shape): a JSON string or a dict, e.g. '{"method": "ngram",
     # "num_speculative_tokens": 4}'; None: off (tokenfab/spec/config.py)
     speculative_config: str | dict | None = None
+    # KV cache storage (vLLM's flags): "auto" = the model dtype, "fp8" / "fp8_e4m3" = float8 e4m3 with
+    # per-layer k/v scales (checkpoint or first-batch calibration; tokenfab/quant/kv_fp8.py)
+    kv_cache_dtype: str = "auto"
+    # layers kept in the model dtype under an FP8 cache: "0,5,sliding_window" (indices and/or every
+    # sliding-window layer), or a list
+    kv_cache_dtype_skip_layers: str | list | None = None
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        from tokenfab.quant.kv_fp8 import parse_kv_cache_dtype, parse_skip_layers
+
+        parse_kv_cache_dtype(self.kv_cache_dtype)  # a bad value fails here, before the model loads
+        parse_skip_layers(self.kv_cache_dtype_skip_layers)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -76,6 +88,14 @@ class EngineArgs:
                             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                             "(methods: ngram, suffix; outputs are unchanged: greedy bit for bit, sampled in "
                             "distribution)")
+
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                            help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "
+                            "of bf16) with per-layer k/v scales from the checkpoint (k_scale / v_scale) or "
+                            "calibrated once on the first batch (amax / 448; later larger values saturate)")
+        parser.add_argument("--kv-cache-dtype-skip-layers", default=None,
+                            help="with an FP8 KV cache, layers that keep the model dtype: comma-separated "
+                            "layer indices and/or 'sliding_window' (every sliding-window layer)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

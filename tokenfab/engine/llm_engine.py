@@ -33,6 +33,7 @@ from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.engine.stats import EngineStats
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
+from tokenfab.quant.kv_fp8 import configure_kv_cache
 from tokenfab.spec.config import SpeculativeConfig
 from tokenfab.tokenizer import eos_token_ids
 
@@ -67,6 +68,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
+        configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         self.memory = log_memory_figures(self.model, self.dtype, copies)
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)

@@ -1,9 +1,11 @@
 """Turns a scheduled batch into one ForwardBatch, runs the model, returns logits.
 
-Owns the KV cache memory: one tensor [num_layers, 2, num_blocks, block_size, Hkv, D]
-whose per-layer slices are bound to the model's Attention modules; for models whose cache-owning
+Owns the KV cache memory: one tensor [num_layers, 2, num_blocks, block_size, Hkv, D] per cache
+dtype whose per-layer slices are bound to the model's Attention modules; for models whose cache-owning
 modules declare ``kv_cache_spec()`` instead (MLA), one tensor [num_layers, num_blocks, block_size,
-*spec] whose slices are bound to ``module.kv_cache``.
+*spec] per dtype whose slices are bound to ``module.kv_cache``. A layer's dtype is its
+``kv_cache_dtype`` (set by ``quant.kv_fp8.configure_kv_cache`` from ``--kv-cache-dtype``), else the
+model dtype; FP8 layers also get their scales bound (``quant.kv_fp8.bind_scales``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from tokenfab.engine.sequence import Sequence
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.layers.attention import Attention
+from tokenfab.quant.kv_fp8 import bind_scales, cache_dtype
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
@@ -31,10 +34,21 @@ def latent_cache_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of K and V (or of the latent cache entries) one token takes across all layers."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    latent = sum(math.prod(m.kv_cache_spec()) * elem for m in latent_cache_layers(model))
-    return latent + sum(2 * a.num_kv_heads * a.head_dim * elem for a in attention_layers(model))
+    """Bytes of K and V (or of the latent cache entries) one token takes across all layers, each
+    layer in its own cache dtype (``kv_cache_dtype``, else ``dtype``)."""
+    def elem(m: nn.Module) -> int:
+        return cache_dtype(m, dtype).itemsize
+
+    latent = sum(math.prod(m.kv_cache_spec()) * elem(m) for m in latent_cache_layers(model))
+    return latent + sum(2 * a.num_kv_heads * a.head_dim * elem(a) for a in attention_layers(model))
+
+
+def _by_dtype(modules: list[nn.Module], default: torch.dtype) -> dict[torch.dtype, list[nn.Module]]:
+    """Modules grouped by cache dtype, the model dtype's group first."""
+    groups: dict[torch.dtype, list[nn.Module]] = {default: []}
+    for m in modules:
+        groups.setdefault(cache_dtype(m, default), []).append(m)
+    return {d: ms for d, ms in groups.items() if ms}
 
 
 class ModelRunner:
@@ -53,30 +67,41 @@ class ModelRunner:
         self.num_blocks = num_blocks
         layers = attention_layers(model)
         latent = latent_cache_layers(model)
+        #: one cache tensor per dtype (``kv_cache``: the first, the model dtype's when it has layers)
+        self.kv_caches: dict[torch.dtype, torch.Tensor] = {}
         if latent and not layers:
             self._bind_latent_cache(latent)
+            owners = latent
         else:
             shapes = {(a.num_kv_heads, a.head_dim) for a in layers}
             if len(shapes) != 1:
                 raise NotImplementedError("layers with different KV shapes need per-layer caches")
             hkv, hd = shapes.pop()
-            self.kv_cache = torch.zeros(
-                len(layers), 2, num_blocks, block_size, hkv, hd, dtype=dtype, device=device
-            )
-            for i, layer in enumerate(layers):
-                layer.k_cache = self.kv_cache[i, 0]
-                layer.v_cache = self.kv_cache[i, 1]
+            for cdtype, group in _by_dtype(layers, dtype).items():
+                cache = torch.zeros(len(group), 2, num_blocks, block_size, hkv, hd, dtype=cdtype, device=device)
+                self.kv_caches[cdtype] = cache
+                for i, layer in enumerate(group):
+                    layer.k_cache = cache[i, 0]
+                    layer.v_cache = cache[i, 1]
+            owners = layers
+        self.kv_cache = next(iter(self.kv_caches.values()))
+        #: float32 [n_fp8_layers, 2] (k, v) scales of the FP8 layers (None without any)
+        self.kv_scales = bind_scales(owners, device)
+        self._cache_owners = owners
+        #: some FP8 layer still awaits its first-batch calibration: steps run eagerly until none does
+        self.kv_calibrating = any(m.kv_calibrate for m in owners)
 
     def _bind_latent_cache(self, modules: list[nn.Module]) -> None:
-        """MLA: one tensor [num_layers, num_blocks, block_size, *per-token shape], sliced per layer."""
+        """MLA: one tensor [num_layers, num_blocks, block_size, *per-token shape] per dtype, sliced per layer."""
         specs = {tuple(m.kv_cache_spec()) for m in modules}
         if len(specs) != 1:
             raise NotImplementedError("layers with different cache shapes need per-layer caches")
-        self.kv_cache = torch.zeros(
-            len(modules), self.num_blocks, self.block_size, *specs.pop(), dtype=self.dtype, device=self.device
-        )
-        for i, m in enumerate(modules):
-            m.kv_cache = self.kv_cache[i]
+        spec = specs.pop()
+        for cdtype, group in _by_dtype(modules, self.dtype).items():
+            cache = torch.zeros(len(group), self.num_blocks, self.block_size, *spec, dtype=cdtype, device=self.device)
+            self.kv_caches[cdtype] = cache
+            for i, m in enumerate(group):
+                m.kv_cache = cache[i]
 
     def prepare(
         self, seqs: list[Sequence], num_new_tokens: list[int], sample_mask: list[bool],
@@ -145,6 +170,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] float32 for the rows in batch.logits_indices."""
+        if self.kv_calibrating:  # eager until every FP8 layer has calibrated (graphs hold no calibration)
+            out = self.forward_logits(batch)
+            self.kv_calibrating = any(m.kv_calibrate for m in self._cache_owners)
+            return out
         if self.graphs is not None and batch.max_query_len == 1 and batch.prompt_indices is None:
             n = self.graphs.padded_size(batch.num_seqs)
             if n is not None and batch.logits_indices.shape[0] == batch.num_seqs:
@@ -217,6 +246,19 @@ class DecodeGraphs:
     def capture(self) -> None:
         if not self.use_cuda:
             return
+        # FP8 KV layers awaiting their first-batch calibration must not calibrate on the dummy capture
+        # batch, nor record the calibration into the graphs (the graphs read the scale tensors, which
+        # the first real batch, a prefill run eagerly, sets in place)
+        pending = [m for m in self.runner.model.modules() if getattr(m, "kv_calibrate", False)]
+        for m in pending:
+            m.kv_calibrate = False
+        try:
+            self._capture()
+        finally:
+            for m in pending:
+                m.kv_calibrate = True
+
+    def _capture(self) -> None:
         pool = None
         for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             batch = self.static_batch(n)
