@@ -11,6 +11,11 @@ engine's flat mixed batch (``ForwardBatch``), as in ``tokenfab/kernels/mla.py``.
 
 Triton: MLA's split-KV kernel walking the token's index list instead of a contiguous key range (one
 page lookup per selected key), with MLA's reduce.
+
+FP8 latent cache: ``dsa_sparse_attention(..., kv_scale=)`` dequantizes as MLA does. The index key in the
+same row is then fp8 too (written by ``store_latent`` with the layer's scale); the indexer reads its raw
+e4m3 values without the scale, which changes no selection: score = sum_h w_h relu(q_h . s k) is s times
+the unscaled score for any s > 0, so the top-k is the same.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from tokenfab.kernels.dsa_indexer import (  # noqa: F401 (the indexer's public n
     token_layout,
     topk_config,
 )
-from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS, mla_config
+from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS, check_latent_fp8, latent_rows, mla_config, raw_cache
 from tokenfab.kernels.paged import LOG2E, check_num_splits, decode_reduce_kernel, flat_cache
 
 # ============================================================================ sparse MLA
@@ -51,6 +56,7 @@ def dsa_sparse_attention_ref(
     indices: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, r + rope], indices [T, K] (key positions, -1: unused) -> o_lat [T, H, r].
 
@@ -61,18 +67,19 @@ def dsa_sparse_attention_ref(
     if t == 0:
         return q.new_empty(t, h, r)
     cache = flat_cache(kv_cache)
+    check_latent_fp8("dsa_sparse_attention", q, cache, kv_scale)
     bs = cache.shape[1]
     seq, _ = token_layout(cu_seqlens_q, context_lens, t)
     valid = indices >= 0
     j = indices.long().clamp(min=0)
     slots = block_tables.long()[seq[:, None], j // bs] * bs + j % bs  # [T, K]
-    flat = cache.reshape(-1, cache.shape[-1])[:, :d]
+    flat = raw_cache(cache).reshape(-1, cache.shape[-1])[:, :d]
     out = q.new_empty(t, h, r)
     k = indices.shape[1]
     step = max(1, REF_CHUNK_ELEMENTS // max(1, k * (d + h)))  # tokens per chunk: bounded [c, K, D] rows
     for t0 in range(0, t, step):
         t1 = min(t0 + step, t)
-        rows = flat.index_select(0, slots[t0:t1].reshape(-1)).view(t1 - t0, k, d).float()  # [c, K, D]
+        rows = latent_rows(cache, flat.index_select(0, slots[t0:t1].reshape(-1)).view(t1 - t0, k, d), kv_scale)
         logits = torch.einsum("thd,tkd->thk", q[t0:t1].float(), rows) * scale
         probs = torch.softmax(logits.masked_fill(~valid[t0:t1, None, :], float("-inf")), dim=-1)
         out[t0:t1] = torch.einsum("thk,tkr->thr", probs, rows[..., :r]).to(q.dtype)
@@ -81,7 +88,7 @@ def dsa_sparse_attention_ref(
 
 @triton.jit
 def _dsa_sparse_split_kernel(
-    q_ptr, c_ptr, bt_ptr, tok_seq_ptr, idx_ptr,
+    q_ptr, c_ptr, bt_ptr, tok_seq_ptr, idx_ptr, kvs_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
     scale_log2, n_heads, kv_rank, rope_dim, n_idx, block_size: tl.constexpr,
     sqt, sqh, scb, sct, sbt, sit, sot, soh,
@@ -91,6 +98,7 @@ def _dsa_sparse_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (head block, query token, split): BLOCK_H heads over one share of the token's index list."""
     hb = tl.program_id(0)
@@ -98,6 +106,8 @@ def _dsa_sparse_split_kernel(
     sp = tl.program_id(2)
     t64 = t.to(tl.int64)
     b = tl.load(tok_seq_ptr + t)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kvs_ptr)
     per = tl.cdiv(tl.cdiv(n_idx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = sp * per
     end = tl.minimum(start + per, n_idx)
@@ -125,6 +135,9 @@ def _dsa_sparse_split_kernel(
         rows = c_ptr + page * scb + (jj % block_size).to(tl.int64) * sct
         c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
         kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
+        if KV_FP8:
+            c = c.to(q_lat.dtype)
+            kp = kp.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
         s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
         s = tl.where(j_ok[None, :], s * scale_log2, float("-inf"))
@@ -138,7 +151,10 @@ def _dsa_sparse_split_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = acc * (tl.load(kvs_ptr) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        else:
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -146,6 +162,8 @@ def _dsa_sparse_split_kernel(
         )
     else:
         row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        if KV_FP8:
+            acc = acc * tl.load(kvs_ptr)  # the reduce merges the partials linearly
         tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
@@ -166,6 +184,7 @@ def _dsa_sparse_attention_triton(
     indices: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     config: dict | None = None,
@@ -181,7 +200,9 @@ def _dsa_sparse_attention_triton(
         q = q.contiguous()
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
-    cfg = sparse_config(t, h, r, d - r, num_sms(q.device), cache.dtype)
+    kv_fp8 = check_latent_fp8("dsa_sparse_attention", q, cache, kv_scale)
+    op_dtype = q.dtype if kv_fp8 else cache.dtype
+    cfg = sparse_config(t, h, r, d - r, num_sms(q.device), op_dtype)
     cfg.update(config or {})
     if num_splits is not None:
         check_num_splits(num_splits)
@@ -196,11 +217,11 @@ def _dsa_sparse_attention_triton(
     else:
         part_o = part_ml = out
     _dsa_sparse_split_kernel[(triton.cdiv(h, cfg["BLOCK_H"]), t, s)](
-        q, cache, block_tables, tok_seq, indices, out, part_o, part_ml,
+        q, cache, block_tables, tok_seq, indices, kv_scale if kv_fp8 else q, out, part_o, part_ml,
         scale * LOG2E, h, r, d - r, indices.shape[1], cache.shape[1],
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0), indices.stride(0),
         out.stride(0), out.stride(1),
-        DOT_PREC=dot_precision(cache.dtype), **cfg,
+        DOT_PREC=dot_precision(op_dtype), KV_FP8=kv_fp8, **cfg,
     )
     if s > 1:
         decode_reduce_kernel[(t, h)](
@@ -220,15 +241,16 @@ def dsa_sparse_attention(
     indices: torch.Tensor,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MLA (absorbed form) over each token's selected keys only."""
+    """MLA (absorbed form) over each token's selected keys only (an fp8 cache: with its ``kv_scale``)."""
     if use_triton(q):
         return _dsa_sparse_attention_triton(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale,
-                                            kv_lora_rank)
+                                            kv_lora_rank, kv_scale)
     return dsa_sparse_attention_ref(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale,
-                                    kv_lora_rank)
+                                    kv_lora_rank, kv_scale)
 
 
 @dsa_sparse_attention.register_fake
-def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale, kv_lora_rank):
+def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale, kv_lora_rank, kv_scale=None):
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)

@@ -152,7 +152,7 @@ def _dsa_index_kernel(
         w = tl.load(w_ptr + t64 * swt + h, mask=h_ok, other=0.0).to(tl.float32)
         page = tl.load(bt_ptr + b.to(tl.int64) * sbt + j // block_size, mask=j_ok, other=0).to(tl.int64)
         rows = c_ptr + page * scb + (j % block_size).to(tl.int64) * sct + index_offset
-        k = tl.load(rows[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(rows[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_HI, BLOCK_N]
         s = tl.maximum(s, 0.0)
         total = tl.where(j_ok, tl.sum(s * w[:, None], 0), float("-inf"))
@@ -196,7 +196,7 @@ def _dsa_index_scores_triton(
         q = q.contiguous()
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
-    cfg = index_config(hi, di, cache.dtype)
+    cfg = index_config(hi, di, q.dtype)  # q's dtype = the cache's, or what an fp8 cache's keys widen to
     cfg.update(config or {})
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     tok_seq = torch.repeat_interleave(torch.arange(context_lens.shape[0], device=q.device, dtype=torch.int32),
@@ -206,7 +206,7 @@ def _dsa_index_scores_triton(
         q, weights, cache, block_tables, tok_seq, cu_seqlens_q, context_lens, out,
         hi, di, index_offset, max_context_len, cache.shape[1],
         q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
-        out.stride(0), DOT_PREC=dot_precision(cache.dtype), **cfg,
+        out.stride(0), DOT_PREC=dot_precision(q.dtype), **cfg,
     )
     return out
 

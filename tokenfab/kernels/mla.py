@@ -20,6 +20,11 @@ exact for prefill tokens too; it reads the whole prefix once per query token.
 Triton: one program per (head block, query token, KV split) runs an online softmax over its share
 of the token's keys, reading each latent page once for both products (q.c and p.c); with several
 splits a reduce kernel merges the partial softmaxes. Accumulation is fp32.
+
+FP8 latent cache (``float8_e4m3fn``): the whole row (latent, rope key and whatever follows) is stored
+as ``clamp(x / scale, +-448)`` with one float32 scale per layer (``store_latent(..., scale=)``, the
+rule of ``kernels/kv_cache.py``); ``mla_attention(..., kv_scale=)`` widens the tiles to q's dtype in
+registers and folds the scale into the softmax scale (keys) and the output row factor (values).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.kv_cache import check_fp8_scales, dequantize_fp8_ref, is_fp8, quantize_fp8_ref
 from tokenfab.kernels.paged import (
     LOG2E,
     MAX_DECODE_SPLITS,
@@ -47,6 +53,29 @@ from tokenfab.kernels.paged import (
 REF_CHUNK_ELEMENTS = 1 << 26
 
 
+def latent_rows(cache: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` (a latent-cache gather, e.g. ``gather_kv(cache.view(torch.uint8), ...)``, as bytes for an fp8
+    cache) -> float32 values: an fp8 cache's bytes dequantized with ``scale``, others just widened."""
+    if is_fp8(cache.dtype):
+        return dequantize_fp8_ref(rows.view(cache.dtype), scale)
+    return rows.float()
+
+
+def raw_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache to gather from: an fp8 cache as bytes (CPU index_select/index_copy do not take fp8)."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def check_latent_fp8(op: str, q: torch.Tensor, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether a latent-cache kernel reads an fp8 cache (then with its scale, q a 16/32-bit float)."""
+    if not is_fp8(cache.dtype):
+        return False
+    check_fp8_scales(op, cache, kv_scale=kv_scale)
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: queries over an fp8 cache must be float32/bfloat16/float16, got {q.dtype}")
+    return True
+
+
 def mla_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -57,6 +86,7 @@ def mla_attention_ref(
     max_context_len: int,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, r + rope] -> o_lat [T, H, r]. Batched over all sequences, no Python loop.
 
@@ -70,7 +100,8 @@ def mla_attention_ref(
     if t == 0 or b == 0:
         return q.new_empty(t, h, r)
     cache = flat_cache(kv_cache)
-    c = gather_kv(cache, block_tables, max_context_len)[..., :d].float()  # [B, L, D]
+    check_latent_fp8("mla_attention", q, cache, kv_scale)
+    c = latent_rows(cache, gather_kv(raw_cache(cache), block_tables, max_context_len)[..., :d], kv_scale)  # [B, L, D]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
     dev = q.device
@@ -105,7 +136,7 @@ def mla_attention_ref(
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, c_ptr, bt_ptr, tok_seq_ptr, cu_ptr, ctx_ptr,
+    q_ptr, c_ptr, bt_ptr, tok_seq_ptr, cu_ptr, ctx_ptr, kvs_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
     scale_log2, n_heads, kv_rank, rope_dim, block_size: tl.constexpr,
     sqt, sqh, scb, sct, sbt, sot, soh,
@@ -116,6 +147,7 @@ def _mla_split_kernel(
     BLOCK_P: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (head block, query token, split): BLOCK_H heads against one share of the token's keys.
 
@@ -135,6 +167,8 @@ def _mla_split_kernel(
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
         kv_end = tl.load(ctx_ptr + b) - q_len + (t - q_start) + 1
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(kvs_ptr)
     per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = sp * per
     end = tl.minimum(start + per, kv_end)
@@ -160,6 +194,9 @@ def _mla_split_kernel(
         rows = c_ptr + page * scb + (j % block_size).to(tl.int64) * sct
         c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
         kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
+        if KV_FP8:
+            c = c.to(q_lat.dtype)
+            kp = kp.to(q_lat.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
         s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
         s = tl.where(j_ok[None, :], s * scale_log2, float("-inf"))
@@ -171,7 +208,10 @@ def _mla_split_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = acc * (tl.load(kvs_ptr) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        else:
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -180,6 +220,8 @@ def _mla_split_kernel(
     else:
         # partials in the layout of attention's reduce kernel: o [T, H, S, BLOCK_R], (max, sum) [T, H, S, 2]
         row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        if KV_FP8:
+            acc = acc * tl.load(kvs_ptr)  # the reduce merges the partials linearly
         tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
@@ -231,11 +273,13 @@ def _mla_attention_triton(
     max_context_len: int,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """q [T, H, r + rope] -> [T, H, r]; ``max_context_len`` is not needed (read on the device).
+    An fp8 cache needs ``kv_scale`` (float32 [1]); the kernel then computes in q's dtype.
 
     ``num_splits`` (a power of two) overrides the configured split count (tests use it to exercise
     the split/reduce path cheaply in the interpreter); ``config`` overrides ``mla_config`` entries.
@@ -256,8 +300,10 @@ def _mla_attention_triton(
     check_device(q)
     if cache.stride(-1) != 1:
         raise ValueError("mla_attention: the cache's last dim must be contiguous")
+    kv_fp8 = check_latent_fp8("mla_attention", q, cache, kv_scale)
+    op_dtype = q.dtype if kv_fp8 else cache.dtype
     decode_only = max_query_len == 1 and t == nseq
-    cfg = mla_config(t, h, r, d - r, num_sms(q.device), cache.dtype, decode_only)
+    cfg = mla_config(t, h, r, d - r, num_sms(q.device), op_dtype, decode_only)
     cfg.update(config or {})
     if num_splits is not None:
         check_num_splits(num_splits)
@@ -277,11 +323,11 @@ def _mla_attention_triton(
         part_o = part_ml = out
     grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, s)
     _mla_split_kernel[grid](
-        q, cache, block_tables, tok_seq, cu_seqlens_q, context_lens, out, part_o, part_ml,
-        scale * LOG2E, h, r, d - r, cache.shape[1],
+        q, cache, block_tables, tok_seq, cu_seqlens_q, context_lens, kv_scale if kv_fp8 else q,
+        out, part_o, part_ml, scale * LOG2E, h, r, d - r, cache.shape[1],
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        DECODE_ONLY=decode_only, DOT_PREC=dot_precision(cache.dtype), **cfg,
+        DECODE_ONLY=decode_only, DOT_PREC=dot_precision(op_dtype), KV_FP8=kv_fp8, **cfg,
     )
     if s > 1:
         decode_reduce_kernel[(t, h)](
@@ -292,9 +338,10 @@ def _mla_attention_triton(
 
 
 def store_latent_ref(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+                     slot_mapping: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """Write row ``[latent (r) ; rest (n)]`` of token t to cache slot ``slot_mapping[t]`` (-1: skipped);
-    cache values past r + n (e.g. another layer kind's index key) are left alone. In place."""
+    cache values past r + n (e.g. another layer kind's index key) are left alone. In place.
+    An fp8 cache stores the row quantized with ``scale`` (required there, ignored otherwise)."""
     cache = flat_cache(kv_cache)
     nb, bs, width = cache.shape
     latent, rest = latent.reshape(latent.shape[0], -1), rest.reshape(rest.shape[0], -1)
@@ -303,33 +350,41 @@ def store_latent_ref(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.T
     if bool((slots < 0).any()):
         valid = slots >= 0
         slots, latent, rest = slots[valid], latent[valid], rest[valid]
-    rows = cache.view(nb * bs, width)
-    rows[:, : r + n].index_copy_(0, slots, torch.cat((latent, rest), dim=-1).to(cache.dtype))
+    row = torch.cat((latent, rest), dim=-1)
+    if is_fp8(cache.dtype):
+        check_fp8_scales("store_latent", cache, scale=scale)
+        row = quantize_fp8_ref(row, scale).view(torch.uint8)
+    rows = raw_cache(cache).view(nb * bs, width)
+    rows[:, : r + n].index_copy_(0, slots, row.to(rows.dtype))
 
 
 def _store_latent_triton(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     from tokenfab.kernels.kv_cache import _store_kv_triton
 
     t = latent.shape[0]
     latent, rest = latent.reshape(t, -1), rest.reshape(t, -1)
     r, n = latent.shape[-1], rest.shape[-1]
     cache = flat_cache(kv_cache).unsqueeze(2)  # [blocks, block_size, 1, width]
+    if is_fp8(cache.dtype):
+        check_fp8_scales("store_latent", cache, scale=scale)
     _store_kv_triton(latent.reshape(t, 1, r), rest.reshape(t, 1, n), cache[..., :r], cache[..., r : r + n],
-                     slot_mapping)
+                     slot_mapping, scale, scale)
 
 
 @torch.library.custom_op("tokenfab::store_latent", mutates_args=("kv_cache",))
-def store_latent(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """MLA's cache write: latent [T, r] and rope key (+ more) [T, n] (or [T, 1, n]) into one row per token."""
+def store_latent(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> None:
+    """MLA's cache write: latent [T, r] and rope key (+ more) [T, n] (or [T, 1, n]) into one row per token
+    (an fp8 cache: quantized with ``scale``)."""
     if use_triton(latent):
-        _store_latent_triton(latent, rest, kv_cache, slot_mapping)
+        _store_latent_triton(latent, rest, kv_cache, slot_mapping, scale)
     else:
-        store_latent_ref(latent, rest, kv_cache, slot_mapping)
+        store_latent_ref(latent, rest, kv_cache, slot_mapping, scale)
 
 
 @store_latent.register_fake
-def _(latent, rest, kv_cache, slot_mapping):
+def _(latent, rest, kv_cache, slot_mapping, scale=None):
     return None
 
 
@@ -344,20 +399,21 @@ def mla_attention(
     max_context_len: int,
     scale: float,
     kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MLA layer's one attention call per step (mixed prefill/decode batch), absorbed form."""
     if use_triton(q):
         return _mla_attention_triton(
             q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-            kv_lora_rank,
+            kv_lora_rank, kv_scale,
         )
     return mla_attention_ref(
         q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-        kv_lora_rank,
+        kv_lora_rank, kv_scale,
     )
 
 
 @mla_attention.register_fake
 def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-      kv_lora_rank):
+      kv_lora_rank, kv_scale=None):
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
