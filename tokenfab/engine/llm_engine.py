@@ -46,10 +46,6 @@ class LLMEngine:
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {args.scheduling_policy!r}")
         spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
-        if spec_config is not None:  # verify rows must round as decode rows do (layers/linear.py)
-            from tokenfab.layers.linear import set_batch_invariant
-
-            set_batch_invariant(True)
         self.args = args
         self.scheduling_policy = args.scheduling_policy
         self.device = resolve_device(args.device)
@@ -72,6 +68,8 @@ class LLMEngine:
         self.memory = log_memory_figures(self.model, self.dtype, copies)
         num_blocks = self._kv_blocks(args)
         self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
+        if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
+            self.runner.batch_invariant = True
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)

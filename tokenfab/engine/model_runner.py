@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenfab.engine.sequence import Sequence
 from tokenfab.forward_batch import ForwardBatch
+from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.layers.attention import Attention
 from tokenfab.quant.kv_fp8 import bind_scales, cache_dtype
 
@@ -52,6 +53,12 @@ def _by_dtype(modules: list[nn.Module], default: torch.dtype) -> dict[torch.dtyp
 
 
 class ModelRunner:
+    #: Run this runner's forwards batch-invariant (``kernels.batch_invariant``): each row's logits
+    #: independent of the rest of the batch (speculative decoding's verify rows = its decode rows).
+    #: Scoped to this runner's forwards, so another engine in the process keeps its own numerics;
+    #: None: the caller's mode (``batch_invariant_mode`` around the call, else the default).
+    batch_invariant: bool | None = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -163,8 +170,9 @@ class ModelRunner:
         pieces, so a long prompt's logits never exist all at once."""
         if batch.prompt_indices is None:
             return self.execute(batch), None
-        hidden = self.model(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        with batch_invariant_mode(self.batch_invariant):
+            hidden = self.model(batch)
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         return logits, hidden.index_select(0, batch.prompt_indices)
 
     @torch.inference_mode()
@@ -181,8 +189,9 @@ class ModelRunner:
         return self.forward_logits(batch)
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(batch)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        with batch_invariant_mode(self.batch_invariant):
+            hidden = self.model(batch)
+            return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
     graphs: DecodeGraphs | None = None
 

@@ -11,63 +11,53 @@ re-pack it on every call:
 The packed copy costs as much memory again as the weights, so the engine only packs models that
 fit easily.
 
-Batch-invariant mode (``set_batch_invariant``, ``TOKENFAB_BATCH_INVARIANT=1``): MKL's sgemm rounds
-a row differently depending on how many rows are multiplied with it (a few rows take another
-kernel), so a speculative verify row would not equal the decode row of the same token. In this
-mode every CPU float32 linear goes through ``kernels.cpu.matmul_f32`` (row r's result never depends
-on the other rows); speculative decoding turns it on. The packed GGUF layers (``ggml_linear``) are
-row-invariant always.
+Batch-invariant mode (``kernels.batch_invariant``: the runner's forward of an engine with
+speculative decoding, ``batch_invariant_mode`` in tests, ``TOKENFAB_BATCH_INVARIANT=1``): MKL's
+sgemm and cuBLAS round a row differently depending on how many rows are multiplied with it (they
+pick another kernel), so a speculative verify row would not equal the decode row of the same
+token. In this mode CPU float32 linears go through ``kernels.cpu.matmul_f32`` and CUDA (Triton)
+linears through ``kernels.matmul_invariant`` (row r's result never depends on the other rows).
+The packed GGUF layers (``ggml_linear``) are row-invariant always; CPU bfloat16 (oneDNN) is not.
 """
 
 from __future__ import annotations
-
-import contextlib
-import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.distributed.parallel_state import tp_all_reduce
+from tokenfab.kernels import matmul_invariant
+from tokenfab.kernels._dispatch import backend
+from tokenfab.kernels.batch_invariant import batch_invariant, batch_invariant_mode  # noqa: F401 (re-exported)
 from tokenfab.kernels.cpu import matmul_f32
 from tokenfab.layers.tp_split import TPSplit, column_split, qkv_split, row_split
 
 # above this many rows (prefill chunks) the unpacked float32 product is as fast or faster
 PACKED_MAX_ROWS = 1024
 
-_batch_invariant = os.environ.get("TOKENFAB_BATCH_INVARIANT", "0").lower() in ("1", "true", "yes")
 
-
-def batch_invariant() -> bool:
-    """Whether CPU float32 linears run the row-invariant kernel (see the module docstring)."""
-    return _batch_invariant
-
-
-def set_batch_invariant(on: bool) -> bool:
-    """Turn batch-invariant float32 linears on or off (process-wide); returns the previous setting."""
-    global _batch_invariant
-    old, _batch_invariant = _batch_invariant, bool(on)
-    return old
-
-
-@contextlib.contextmanager
-def batch_invariant_mode(on: bool = True) -> Iterator[None]:
-    """``set_batch_invariant(on)`` for the duration of a ``with`` block (tests, benchmarks)."""
-    old = set_batch_invariant(on)
-    try:
-        yield
-    finally:
-        set_batch_invariant(old)
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The row-invariant product (batch-invariant mode) by the dispatch rule: the Triton kernel where
+    Triton runs (CUDA, ``TOKENFAB_KERNELS=triton``), the C kernel for CPU float32; None where neither
+    takes the tensors (CPU bfloat16, the reference mode)."""
+    where = backend(x)
+    if where == "triton":
+        if x.dtype in matmul_invariant.SUPPORTED_DTYPES and weight.dtype == x.dtype:
+            return matmul_invariant._matmul_invariant_triton(x, weight, bias)
+    elif x.device.type == "cpu" and matmul_f32.supports(x, weight):
+        return matmul_f32.matmul_f32_rowinv(x, weight, bias)
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through a packed GEMM when a packed copy of ``weight`` exists, or through the
+    """F.linear, through a packed GEMM when a packed copy of ``weight`` exists, or through a
     row-invariant kernel in batch-invariant mode."""
-    if (_batch_invariant and x.dtype == torch.float32 and x.device.type == "cpu" and matmul_f32.supports(x, weight)
-            and not torch.compiler.is_compiling()):
-        return matmul_f32.matmul_f32_rowinv(x, weight, bias)
+    if not torch.compiler.is_compiling() and batch_invariant():
+        out = invariant_linear(x, weight, bias)
+        if out is not None:
+            return out
     shape = x.shape
     if packed is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
