@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenfab.distributed.parallel_state import tp_all_gather_last, tp_all_reduce
 from tokenfab.kernels.cpu import native_library
 from tokenfab.kernels.cpu.checks import check_status
 from tokenfab.kernels.cpu.ggml_matmul import _QTYPE_ID, ggml_dequantize_rows, ggml_matmul
+from tokenfab.layers.embedding import vocab_parallel_lookup
 
 # activation modes: "f32" (W4A32/W8A32, the default) and "q8" (int8 activation blocks, opt-in)
 ACT_MODES = ("f32", "q8")
@@ -36,7 +38,12 @@ def _native_fn(act: str):
 
 
 class GGMLLinear(nn.Module):
-    """``y = x @ dequant(qweight).T + bias`` with the weight kept packed."""
+    """``y = x @ dequant(qweight).T + bias`` with the weight kept packed. Tensor parallel: the rows
+    (column-parallel) or the whole 32-element blocks of K (row-parallel, then all-reduced) this
+    rank keeps, ``tp_split`` as on the layer it replaced (loader.gguf_packed slices the rows)."""
+
+    tp_split = None  # layers.tp_split.TPSplit at TP > 1
+    reduce_output = False
 
     def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int,
                  bias: torch.Tensor | None = None, act: str = "f32") -> None:
@@ -75,7 +82,8 @@ class GGMLLinear(nn.Module):
                                 self.in_features, self._qid, out.data_ptr()), "ggml_matmul")
         if self.bias is not None:
             out += self.bias
-        return out.view(*shape[:-1], self.out_features)
+        out = out.view(*shape[:-1], self.out_features)
+        return tp_all_reduce(out) if self.reduce_output else out
 
     def logical_numel(self) -> int:
         return self.out_features * self.in_features
@@ -85,7 +93,10 @@ class GGMLLinear(nn.Module):
 
 
 class GGMLEmbedding(nn.Module):
-    """Token embedding from packed rows; a lookup dequantizes only the rows it reads."""
+    """Token embedding from packed rows; a lookup dequantizes only the rows it reads. At TP > 1:
+    vocabulary-parallel (this rank's rows, zero-padded; layers.embedding)."""
+
+    tp_split = None
 
     def __init__(self, qweight: torch.Tensor, qtype: str, hidden_size: int) -> None:
         super().__init__()
@@ -93,10 +104,15 @@ class GGMLEmbedding(nn.Module):
         self.qtype, self.hidden_size = qtype, hidden_size
         self.num_embeddings = int(qweight.shape[0])
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         out = ggml_dequantize_rows(self.qweight, self.qtype, self.hidden_size, ids)
         return out.view(*input_ids.shape, self.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_split is None:
+            return self._lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.tp_split, self._lookup)
 
     def logical_numel(self) -> int:
         return self.num_embeddings * self.hidden_size
@@ -106,7 +122,16 @@ class GGMLEmbedding(nn.Module):
 
 
 class GGMLLMHead(GGMLLinear):
-    """Output projection to float32 vocabulary logits from packed rows (tied: the embedding's)."""
+    """Output projection to float32 vocabulary logits from packed rows (tied: the embedding's). At
+    TP > 1 its rows are this rank's vocabulary rows; the logits are all-gathered (padding dropped)."""
+
+    vocab_size: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if self.tp_split is None:
+            return logits
+        return tp_all_gather_last(logits)[..., : self.vocab_size]
 
     def logical_numel(self) -> int:  # a tied head's rows are counted once, with the embedding
         return 0 if getattr(self, "tied", False) else super().logical_numel()

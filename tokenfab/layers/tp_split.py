@@ -57,10 +57,7 @@ class TPSplit:
         d = self.dim if t.dim() > 1 else 0
         if self.dim == 1 and t.dim() < 2:
             raise ValueError(f"{what}: a 1-D tensor of a row-parallel layer is not split (use take_bias)")
-        if unit > 1 and (lo % unit or (hi % unit and hi < full)):
-            axis = "rows" if self.dim == 0 else "input columns"
-            raise ValueError(f"{what}: tensor parallel rank {self.rank} of {self.size} holds {axis} [{lo}, {hi}), "
-                             f"which does not fall on the format's {unit}-element blocks")
+        self.check_blocks(unit, shard, what)
         expected = _cdiv(full, unit) * width
         if t.shape[d] != expected:
             raise ValueError(f"{what} has {t.shape[d]} entries along dim {d}, expected {expected} "
@@ -73,6 +70,14 @@ class TPSplit:
             pad = [0, 0] * (t.dim() - 1 - d) + [0, want - part.shape[d]]
             part = F.pad(part, pad)
         return part
+
+    def check_blocks(self, unit: int, shard: int | None = None, what: str = "tensor") -> None:
+        """A ValueError unless this rank's range of ``shard`` falls on ``unit``-element blocks."""
+        lo, hi = self.ranges[shard or 0]
+        if unit > 1 and (lo % unit or (hi % unit and hi < self.full[shard or 0])):
+            axis = "rows" if self.dim == 0 else "input columns"
+            raise ValueError(f"{what}: tensor parallel rank {self.rank} of {self.size} holds {axis} [{lo}, {hi}), "
+                             f"which does not fall on the format's {unit}-element blocks")
 
     def take_bias(self, t: torch.Tensor, shard: int | None = None) -> torch.Tensor:
         """A bias: column-parallel, its rows; row-parallel, whole on rank 0, zeros elsewhere."""

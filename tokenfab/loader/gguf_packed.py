@@ -6,6 +6,7 @@ type) is swapped for a :class:`~tokenfab.layers.ggml_linear.GGMLLinear` holding 
 token embedding for a :class:`GGMLEmbedding`, and the LM head (tied: sharing the embedding's rows)
 for a :class:`GGMLLMHead`. The swap happens before any weight is read, so the float32 parameters
 of the swapped layers are never written (their pages never touched) and are freed at once.
+At TP > 1 a swapped layer keeps only its rank's packed rows / K blocks (``_tp_part``).
 Tensors in other types (norms, F16/F32 weights, K-quants) load dequantized through
 :func:`~tokenfab.loader.weights.load_weights` exactly as in the unpacked path, and so do packable
 tensors of a layer that cannot be swapped (mixed types in one merged projection).
@@ -24,6 +25,7 @@ from torch import nn
 from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLLMHead
 from tokenfab.layers.linear import Linear, MergedLinear
+from tokenfab.layers.tp_split import TPSplit
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.gguf import PACKABLE_TYPES, GGUFCheckpoint, PackedTensor
 from tokenfab.loader.weights import _target, load_weights
@@ -92,6 +94,10 @@ def _plan_swaps(model: nn.Module, ckpt: GGUFCheckpoint, act: str) -> dict[str, _
             bias = torch.empty(n) if getattr(mod, "bias", None) is not None else None
             cls = GGMLLMHead if isinstance(mod, LMHead) else GGMLLinear
             new = cls(rows, qtype, k, bias=bias, act=act)
+        if mod.tp_split is not None:  # tensor parallel: the packed layer keeps the same part
+            new.tp_split, new.reduce_output = mod.tp_split, getattr(mod, "reduce_output", False)
+            if isinstance(new, GGMLLMHead):
+                new.vocab_size = mod.vocab_size
         _set_module(model, mod_name, new)
         swaps[mod_name] = _Swap(mod_name, qtype, ranges)
     # a tied LM head reads the embedding's packed rows
@@ -101,6 +107,7 @@ def _plan_swaps(model: nn.Module, ckpt: GGUFCheckpoint, act: str) -> dict[str, _
             and getattr(model.config, "tie_word_embeddings", False)):
         tied = GGMLLMHead(emb.qweight, emb.qtype, emb.hidden_size, act=act)
         tied.tied = True
+        tied.tp_split, tied.vocab_size = emb.tp_split, head.vocab_size
         model.lm_head = tied
     return swaps
 
@@ -123,6 +130,8 @@ def _fill(model: nn.Module, swaps: dict[str, _Swap], ckpt: GGUFCheckpoint
         lo, hi = swap.shards[shard or 0]
         dst = mod.qweight if kind == "weight" else mod.bias
         src = t.rows if isinstance(t, PackedTensor) else t
+        if mod.tp_split is not None:
+            src = _tp_part(mod.tp_split, kind, src, shard, swap.qtype, name, ckpt.path)
         if dst is None or tuple(dst[lo:hi].shape) != tuple(src.shape):
             raise ModelLoadError(ckpt.path, f"tensor {name} has shape {tuple(src.shape)}, expected "
                                  f"{tuple(dst[lo:hi].shape) if dst is not None else 'none'}")
@@ -135,6 +144,20 @@ def _fill(model: nn.Module, swaps: dict[str, _Swap], ckpt: GGUFCheckpoint
                    if (k, i) not in swap.filled]
         if missing:
             raise ModelLoadError(ckpt.path, f"missing tensors: {', '.join(missing[:5])}")
+
+
+def _tp_part(split: TPSplit, kind: str, src: torch.Tensor, shard: int | None, qtype: str, name: str,
+             path) -> torch.Tensor:
+    """Tensor parallel: this rank's packed rows (column-parallel, vocabulary rows zero-padded: a
+    zero block dequantizes to zeros) or its whole 32-element blocks of every row (row-parallel)."""
+    try:
+        if kind == "bias":
+            return split.take_bias(src, shard)
+        if split.dim == 0:
+            return split.take(src, shard, what=name)
+        return split.take(src, shard, unit=32, width=_BLOCK_BYTES[qtype], what=name)
+    except ValueError as e:
+        raise ModelLoadError(path, f"tensor {name}: {e}") from e
 
 
 def load_gguf_packed(model: nn.Module, ckpt: GGUFCheckpoint, act: str = "f32") -> int:

@@ -52,7 +52,10 @@ def apply_quant_method(model: nn.Module, method: QuantMethod) -> int:
                     raise ValueError(f"{method.name}: the projections {names} merged into {full} are not all "
                                      "quantized alike")
                 if flags.pop():
-                    setattr(parent, child_name, method.make_linear(child, full))
+                    new = method.make_linear(child, full)
+                    if child.tp_split is not None:  # tensor parallel: the same split, kept by the quantized layer
+                        new.tp_split, new.reduce_output = child.tp_split, child.reduce_output
+                    setattr(parent, child_name, new)
                     swapped += 1
             elif isinstance(child, FusedMoE) and method.is_quantized(f"{full}.experts"):
                 experts = method.make_experts(child, full)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.quant import FP8, FP8_MAX, GROUP_K, dequantize_fp8, fp8_linear
 from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
 from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
@@ -42,7 +43,13 @@ class FP8Linear(QuantizedModule):
     holds float weights and the layer quantizes them as they load. ``static_input``: an
     ``input_scale`` tensor quantizes the activations (per tensor) instead of per token.
     ``act`` / ``cpu_act_quant``: see ``kernels.quant.fp8_linear``.
+
+    Tensor parallel: ``tp_split`` (copied from the layer it replaces, quant.apply) says which part of
+    each full checkpoint tensor this rank keeps (``_tp_part``); a row-parallel layer all-reduces.
     """
+
+    tp_split = None  # layers.tp_split.TPSplit at TP > 1
+    reduce_output = False
 
     def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  scheme: str = "block", ue8m0: bool = False, online: bool = False,
@@ -94,7 +101,24 @@ class FP8Linear(QuantizedModule):
         else:
             self.weight_scale[lo:hi].copy_(grid)
 
+    def _tp_part(self, suffix: str, t: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """Tensor parallel: this rank's part of a full checkpoint tensor (weights and 128x128 scale
+        grids split on 128-element block boundaries; per-channel scales follow the rows). Online FP8
+        quantizes each rank's float part as it arrives."""
+        split = self.tp_split
+        if suffix == "bias":
+            return split.take_bias(t, shard)
+        if suffix == "weight":
+            return split.take(t, shard, what="weight")
+        if suffix == "weight_scale_inv" and self.scheme == "block":
+            return split.take(t, shard, unit=BLOCK, what="weight_scale_inv")
+        if suffix == "weight_scale" and t.numel() > 1 and split.dim == 0:
+            return split.take(t.reshape(-1, 1), shard, what="weight_scale")
+        return t  # per-tensor scales, per-channel scales of a row-parallel layer, input_scale
+
     def load_quantized(self, suffix: str, tensor: torch.Tensor, shard: int | None) -> bool:
+        if self.tp_split is not None:
+            tensor = self._tp_part(suffix, tensor, shard)
         lo, hi = self._rows(shard)
         rows, k = hi - lo, self.in_features
         if suffix == "weight":
@@ -136,8 +160,9 @@ class FP8Linear(QuantizedModule):
     # ------------------------------------------------------------------ compute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.qweight, self.weight_scale, self.group_n, self.bias, self.ue8m0, self.input_scale,
-                          self.act, self.cpu_act_quant)
+        y = fp8_linear(x, self.qweight, self.weight_scale, self.group_n, self.bias, self.ue8m0, self.input_scale,
+                       self.act, self.cpu_act_quant)
+        return tp_all_reduce(y) if self.reduce_output else y
 
     @property
     def weight(self) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.w4a16 import GROUP_SIZE, dequantize_w4, w4a16_linear
 from tokenfab.quant.base import QuantizedModule, check_shape
 
@@ -24,7 +25,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class W4Linear(QuantizedModule):
-    """``y = x @ dequant(qweight, scales).T * global_scale + bias``; see the module docstring."""
+    """``y = x @ dequant(qweight, scales).T * global_scale + bias``; see the module docstring.
+    Tensor parallel: ``tp_split`` / ``reduce_output`` as on the layer it replaces (quant.apply)."""
+
+    tp_split = None  # layers.tp_split.TPSplit at TP > 1
+    reduce_output = False
 
     def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  codec: str) -> None:
@@ -53,7 +58,33 @@ class W4Linear(QuantizedModule):
             raise ValueError(f"shard {shard} out of range 0..{len(self.shard_sizes) - 1}")
         return self.offsets[shard], self.offsets[shard] + self.shard_sizes[shard]
 
+    def _tp_part(self, suffix: str, t: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """Tensor parallel: this rank's part of a full checkpoint tensor. Column-parallel: its rows;
+        row-parallel: its K range in whole scale groups (INT4: 32, NVFP4: 16 values; the packed words
+        and bytes follow)."""
+        split, g = self.tp_split, GROUP_SIZE[self.codec]
+        if suffix == "bias":
+            return split.take_bias(t, shard)
+        if suffix == "weight_shape":  # the full [N, K]: checked here, then this rank's
+            full_rows, full_k = (split.full[shard or 0], self.in_features) if split.dim == 0 else \
+                (self.out_features, split.full[0])
+            if [int(v) for v in t.reshape(-1)] != [full_rows, full_k]:
+                raise ValueError(f"weight_shape is {t.tolist()}, the full layer is [{full_rows}, {full_k}]")
+            lo, hi = self._rows(shard)
+            return torch.tensor([hi - lo, self.in_features], dtype=torch.int32)
+        packed = {"weight_packed": 8, "weight": 2}.get(suffix)  # values per stored entry
+        if packed is not None or suffix == "weight_scale":
+            if split.dim == 0:
+                return split.take(t, shard, what=suffix)
+            if packed is not None:  # whole scale groups of the K range, in stored entries
+                split.check_blocks(g, shard, what=suffix)
+                return split.take(t, shard, unit=packed, what=suffix)
+            return split.take(t, shard, unit=g, what=suffix)
+        return t  # weight_scale_2, input_scale: one value
+
     def load_quantized(self, suffix: str, tensor: torch.Tensor, shard: int | None) -> bool:
+        if self.tp_split is not None:
+            tensor = self._tp_part(suffix, tensor, shard)
         lo, hi = self._rows(shard)
         rows, k = hi - lo, self.in_features
         if self.codec == "int4" and suffix == "weight_packed":
@@ -93,7 +124,8 @@ class W4Linear(QuantizedModule):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w4a16_linear(x, self.qweight, self.scales, self.global_scale, self.bias, self.codec, self.in_features)
+        y = w4a16_linear(x, self.qweight, self.scales, self.global_scale, self.bias, self.codec, self.in_features)
+        return tp_all_reduce(y) if self.reduce_output else y
 
     @property
     def weight(self) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""Tensor parallelism inside the models, SPMD on gloo: every rank builds the same engine (identical
+scheduler decisions) with its shard of the weights, and the greedy tokens equal the 1-process
+engine's, with prefix caching (prompts sharing a prefix, admitted a step apart), chunked prefill
+(a small token budget) and preemption (a small KV budget) reached and asserted.
+
+Cases: tiny Llama / Qwen3 at TP 2 and 4 (Qwen3 at TP 4 > its 2 KV heads: KV heads replicated),
+tiny DeepSeek-V3 (MLA heads sharded) at TP 2, a block-FP8 Qwen3 checkpoint at TP 2 (weights and
+scales split on 128 boundaries), the bundled SmolLM2 GGUF (Q4_1/Q8_0 rows kept packed) at TP 3
+(9 query / 3 KV heads). The collectives are counted (CommCounter) and compared with ``tokenfab
+plan``'s TP figure. Slow tier: each case spawns 2-4 interpreters on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_ranks
+from tests.tiny_models import run_batch, save_tiny_model, tiny_config
+from tokenfab.distributed import parallel_state as ps
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    list(range(5, 45)),  # 40 tokens: chunked under a 16-token budget
+    list(range(5, 37)) + [200, 201, 202, 203],  # shares 32 tokens (8 blocks of 4) with the first
+    [7, 8, 9],
+    list(range(100, 123)),
+]
+ARRIVALS = [0, 3, 1, 2]
+MAX_TOKENS = 12
+ENGINE = dict(block_size=4, num_kv_blocks=26, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
+
+
+def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS,
+             max_tokens: int = MAX_TOKENS) -> dict:
+    """Greedy tokens of ``prompts`` through one LLMEngine, and what the run reached."""
+    from tokenfab.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=model, **engine_kwargs)
+    counter = ps.CommCounter()
+    ps.set_comm_counter(counter)
+    try:
+        tokens, _, batches = run_batch(engine, prompts, max_tokens, arrivals, logprobs=0)
+    finally:
+        ps.set_comm_counter(None)
+    num_tokens = sum(int(b.input_ids.numel()) for b in batches)
+    split = sorted({type(m).__name__ for m in engine.model.modules() if getattr(m, "tp_split", None) is not None})
+    return {
+        "split_layers": split,
+        "tokens": tokens,
+        "preemptions": engine.scheduler.num_preemptions_total,
+        "prefix_hits": engine.block_manager.prefix_hits,
+        "chunked": any(int((b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).max()) < n
+                       for b in batches for n in [max(len(p) for p in prompts)]),
+        "comm": counter.calls,
+        "num_tokens": num_tokens,
+        "num_steps": len(batches),
+    }
+
+
+def _rank(rank: int, tp: int, model: str, engine_kwargs: dict) -> dict:
+    ps.init_parallel(tp)
+    return generate(model, engine_kwargs)
+
+
+def check_tp(model: str, tp: int, engine_kwargs: dict = ENGINE, layers: set[str] = frozenset()) -> list[dict]:
+    """The TP run's greedy tokens on every rank equal the 1-process engine's; ``layers``: layer
+    classes that must be split on every rank (the quantized / packed ones the case is about)."""
+    ref = generate(model, engine_kwargs)
+    assert ref["preemptions"] > 0 and ref["prefix_hits"] > 0 and ref["chunked"], ref
+    assert ref["split_layers"] == [] and ref["comm"] == []
+    results = run_ranks(_rank, tp, tp, model, engine_kwargs)
+    for rank, r in enumerate(results):
+        assert r["tokens"] == ref["tokens"], f"rank {rank} of TP {tp}"
+        assert (r["preemptions"], r["prefix_hits"]) == (ref["preemptions"], ref["prefix_hits"])
+        assert layers <= set(r["split_layers"]), r["split_layers"]
+        assert r["comm"] == results[0]["comm"] and r["comm"]
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_model(tiny_config("llama"), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen3")
+    save_tiny_model(tiny_config("qwen3"), path)
+    return str(path)
+
+
+def test_llama_tp2(tiny_llama):
+    check_tp(tiny_llama, 2, layers={"Linear", "MergedLinear", "VocabEmbedding", "LMHead"})
+
+
+def test_qwen3_tp4_replicated_kv_heads(tiny_qwen3):
+    check_tp(tiny_qwen3, 4)  # 4 query heads, 2 KV heads: ranks 0,1 hold KV head 0, ranks 2,3 head 1
+
+
+def test_bundled_gguf_tp3():
+    """SmolLM2-135M (the bundled Q4_1/Q8_0 GGUF, rows kept packed): 9 query / 3 KV heads over 3 ranks."""
+    from tokenfab.loader.bundled import bundled_model_path
+
+    check_tp(str(bundled_model_path()), 3, ENGINE, {"GGMLLinear", "GGMLEmbedding", "GGMLLMHead"})
