@@ -100,6 +100,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             indices = source.last_indices
         self.last_indices = indices
         qa = self.attn.absorb(q_nope, q_pe, self.kv_b_proj.weight)
+        kv = {} if self.attn.kv_scale is None else {"kv_scale": self.attn.kv_scale}  # an FP8 latent cache's scale
         o_lat = dsa_sparse_attention(qa, cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens, indices,
-                                     self.attn.scale, r)
+                                     self.attn.scale, r, **kv)
         return self.o_proj(self.attn.expand_out(o_lat, self.kv_b_proj.weight))

@@ -16,8 +16,8 @@ Scales, per layer:
 
 ``--kv-cache-dtype-skip-layers`` keeps some layers in the model dtype: layer indices (the order of the
 cache-owning layers, which is the decoder-layer order) and/or ``sliding_window`` (every layer with a
-sliding window, as vLLM has). DSA layers (DeepSeek-V3.2 / GLM-5: an index key shares the latent row)
-keep the model dtype: their indexer reads that row unscaled.
+sliding window, as vLLM has). DSA layers (DeepSeek-V3.2 / GLM-5) store their index key in the same
+FP8 row under the same scale (the indexer reads it unscaled: its top-k is invariant to a positive scale).
 
 The model runner (``engine/model_runner.py``) allocates one cache tensor per dtype and binds each
 layer's slices and scales; the layers (``layers/attention.py``, ``layers/mla.py``) pass the scales to
@@ -108,16 +108,11 @@ def configure_kv_cache(model: nn.Module, kv_cache_dtype: str | None,
         log.info("--kv-cache-dtype-skip-layers has no effect with --kv-cache-dtype auto")
     indices = {i % len(modules) for i in indices} if modules else set()
     fp8: list[int] = []
-    dsa = 0
     for i, m in enumerate(modules):
         keep = dtype is None or i in indices or (sliding and getattr(m, "sliding_window", 0) > 0)
-        if not keep and getattr(m, "extra_dim", 0) > 0:  # DSA: the index key shares the row
-            keep, dsa = True, dsa + 1
         m.kv_cache_dtype = None if keep else dtype
         if not keep:
             fp8.append(i)
-    if dsa:
-        log.warning("FP8 KV cache: %d DSA layers keep the model dtype (their index key shares the cache row)", dsa)
     if dtype is not None:
         with_ckpt = sum(1 for i in fp8 if getattr(modules[i], "checkpoint_kv_scales", None))
         log.info("KV cache: %d of %d layers in %s (%d with checkpoint scales, the others calibrated on their "
