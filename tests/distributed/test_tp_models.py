@@ -46,8 +46,11 @@ def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS
         ps.set_comm_counter(None)
     num_tokens = sum(int(b.input_ids.numel()) for b in batches)
     split = sorted({type(m).__name__ for m in engine.model.modules() if getattr(m, "tp_split", None) is not None})
+    from tokenfab.layers.mla import MLAAttention
+
     return {
         "split_layers": split,
+        "mla_heads": sorted({m.num_heads for m in engine.model.modules() if isinstance(m, MLAAttention)}),
         "tokens": tokens,
         "preemptions": engine.scheduler.num_preemptions_total,
         "prefix_hits": engine.block_manager.prefix_hits,
@@ -106,3 +109,13 @@ def test_bundled_gguf_tp3():
     from tokenfab.loader.bundled import bundled_model_path
 
     check_tp(str(bundled_model_path()), 3, ENGINE, {"GGMLLinear", "GGMLEmbedding", "GGMLLMHead"})
+
+
+def test_deepseek_v3_mla_tp2(tmp_path):
+    """MLA heads sharded (q_b / kv_b column-parallel by head, o_proj row-parallel); the latent cache
+    per token, replicated. The MoE layers' experts are split by the MoE layer itself (layers/moe.py)."""
+    from tests.models.test_deepseek import YARN, save_tiny_deepseek
+
+    save_tiny_deepseek(tmp_path, rope_parameters=YARN)
+    results = check_tp(str(tmp_path), 2, layers={"Linear", "MergedLinear"})
+    assert all(r["mla_heads"] == [2] for r in results)

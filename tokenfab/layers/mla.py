@@ -32,6 +32,7 @@ from tokenfab.kernels.paged import gather_kv
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import RotaryEmbedding
+from tokenfab.layers.tp_split import local_heads
 from tokenfab.quant.kv_fp8 import calibrate_scale_
 
 
@@ -163,21 +164,25 @@ class MultiHeadLatentAttention(nn.Module):
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+        # tensor parallel: the heads split over the ranks (q / q_b and kv_b column-parallel by head,
+        # o_proj row-parallel with the all-reduce after attention); q_a and kv_a, and so the latent
+        # cache, are per token and replicated. ``num_heads`` is this rank's.
+        self.num_heads = local_heads(num_heads)
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, num_heads * qk_head_dim)
+            self.q_proj = Linear(hidden_size, num_heads * qk_head_dim, parallel="column")
         else:
             self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
-            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim, parallel="column")
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), parallel="column")
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias, parallel="row")
         self.rotary_emb = rotary_emb
-        self.attn = MLAAttention(num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale)
+        self.attn = MLAAttention(self.num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]

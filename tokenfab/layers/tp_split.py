@@ -103,6 +103,11 @@ def _split(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
+def local_heads(num_heads: int) -> int:
+    """This rank's number of attention heads (a ValueError when they do not divide by the TP size)."""
+    return _split(num_heads, tp_rank_size()[1], "attention heads")
+
+
 def column_split(shard_sizes: list[int], what: str = "output features") -> TPSplit | None:
     """Each shard's rows split evenly; None at TP 1."""
     rank, tp = tp_rank_size()
