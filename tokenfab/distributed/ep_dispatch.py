@@ -87,7 +87,7 @@ def dispatch_combine(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, exper
 
 
 def _sum_slots(pair_out: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return pair_out.view(t, k, -1).float().sum(dim=1).to(dtype)
+    return pair_out.view(t, k, pair_out.shape[-1]).float().sum(dim=1).to(dtype)
 
 
 def normal(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn, ep_size: int,

@@ -12,6 +12,7 @@ communication volume that ``tokenfab plan`` assumes can be checked against what 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -156,7 +157,7 @@ def ep_all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_sp
     if s.ep_size == 1:
         return x
     x = x.contiguous()
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = x.element_size() * math.prod(x.shape[1:])
     if recv_splits is None:
         out = torch.empty_like(x)
     else:
