@@ -44,6 +44,11 @@ class EngineArgs:
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
+    # parallelism (engine/tp_executor.py, engine/dp_client.py): TP ranks per engine (workers spawned
+    # on this node, or torchrun's ranks), engine-core replicas behind one server, experts sharded
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         from tokenfab.quant.kv_fp8 import parse_kv_cache_dtype, parse_skip_layers
@@ -88,6 +93,15 @@ class EngineArgs:
                             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                             "(methods: ngram, suffix; outputs are unchanged: greedy bit for bit, sampled in "
                             "distribution)")
+
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="shard the model over N ranks (this node: N-1 worker processes are spawned; "
+                            "under torchrun: the world size)")
+        parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                            help="N engine-core replicas (each with its own TP group) behind one server; "
+                            "requests go to the least loaded, prefix-cache affinity first")
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="MoE models: shard the experts over the ranks (all-to-all dispatch)")
 
         parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                             help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "

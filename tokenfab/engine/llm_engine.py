@@ -48,6 +48,11 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
         self.args = args
         self.scheduling_policy = args.scheduling_policy
+        self.tp = None  # tensor parallel: rank 0's handle on the worker ranks (engine/tp_executor.py)
+        if args.tensor_parallel_size != 1:
+            from tokenfab.engine.tp_executor import start_tensor_parallel
+
+            self.tp = start_tensor_parallel(args)  # before the load: layers shard at build time
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         t0 = time.perf_counter()
@@ -66,10 +71,16 @@ class LLMEngine:
         copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         self.memory = log_memory_figures(self.model, self.dtype, copies)
+        self.spec = None  # speculative decoding (tokenfab/spec/step.py); a draft module loads here
+        if spec_config is not None:
+            from tokenfab.spec.step import SpecDecoder
+
+            self.spec = SpecDecoder(spec_config, self)
         num_blocks = self._kv_blocks(args)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
+        self.runner = self._make_runner(args.block_size, num_blocks)
         if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
             self.runner.batch_invariant = True
+            self.spec.bind_cache(args.block_size, num_blocks)  # the draft's cache: the target's blocks
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -87,22 +98,30 @@ class LLMEngine:
         self._last = (0, 0, 0)
         # --async-scheduling: step N+1 is launched before step N's tokens are read (engine/overlap.py)
         self._overlap = OverlapScheduler(self) if args.async_scheduling else None
-        self.spec = None  # speculative decoding (tokenfab/spec/step.py)
-        if spec_config is not None:
-            from tokenfab.spec.step import SpecDecoder
-
-            self.spec = SpecDecoder(spec_config, self)
         log.info(
             "loaded %s on %s (%s) in %.1fs; KV cache: %d blocks x %d = %d tokens",
             self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
             args.block_size, self.kv_cache_tokens,
         )
 
+    def _make_runner(self, block_size: int, num_blocks: int) -> ModelRunner:
+        """The runner; under tensor parallelism one whose forwards the workers mirror (its twin
+        there gets the same cache layout)."""
+        if self.tp is not None:
+            return self.tp.make_runner(self.model, self.device, self.dtype, block_size, num_blocks)
+        return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine serves nothing after this."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     # ---- memory budget --------------------------------------------------------------
     def _kv_blocks(self, args: EngineArgs) -> int:
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
-        per_block = kv_bytes_per_token(self.model, self.dtype) * args.block_size
+        draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
+        per_block = (kv_bytes_per_token(self.model, self.dtype) + draft) * args.block_size
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget(args)
         else:
@@ -124,7 +143,7 @@ class LLMEngine:
         """A fraction of the GPU's memory, less weights and the measured activation peak of a
         forward over the largest chunk (run once against a small throwaway cache)."""
         n = min(args.max_num_batched_tokens, self.max_model_len - 1)
-        probe = ModelRunner(self.model, self.device, self.dtype, args.block_size, -(-n // args.block_size))
+        probe = self._make_runner(args.block_size, -(-n // args.block_size))
         seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1), 0)
         seq.block_table = list(range(probe.num_blocks))
         torch.cuda.synchronize(self.device)
@@ -250,8 +269,10 @@ class LLMEngine:
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and process one scheduled batch, synchronously."""
-        now, t0 = time.time(), time.perf_counter()
         seqs, counts = batch.seqs, batch.num_new_tokens
+        if self.spec is not None:  # a draft model's tokens, now that their blocks are allocated
+            self.spec.fill_drafts(seqs)
+        now, t0 = time.time(), time.perf_counter()
         starts = [s.num_computed_tokens for s in seqs]
         ks = [len(s.spec_token_ids) for s in seqs]  # speculative drafts verified after the known tokens
         # a chunk that reaches the end of the known tokens yields the next token (max_tokens 0: none)
@@ -334,7 +355,7 @@ class LLMEngine:
         sequences whose forward succeeded. If the batched forward fails, each sequence is run
         alone (rewriting the same K/V is harmless) and the ones that fail again go to ``failed``."""
         try:
-            return self.runner.execute_scoring(self.runner.prepare(seqs, counts, sample_mask, prompt_rows))
+            return self._execute(self.runner.prepare(seqs, counts, sample_mask, prompt_rows), seqs, counts)
         except EngineDeadError:
             raise
         except Exception as e:
@@ -345,7 +366,7 @@ class LLMEngine:
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             try:
                 rows = None if prompt_rows is None else [prompt_rows[i]]
-                lg, hd = self.runner.execute_scoring(self.runner.prepare([seq], [n], [sample_mask[i]], rows))
+                lg, hd = self._execute(self.runner.prepare([seq], [n], [sample_mask[i]], rows), [seq], [n])
             except EngineDeadError:
                 raise
             except Exception as e:
@@ -356,6 +377,11 @@ class LLMEngine:
             if hd is not None:
                 hidden.append(hd)
         return (torch.cat(logits) if logits else None), (torch.cat(hidden) if hidden else None)
+
+    def _execute(self, fb, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.spec is not None:  # a draft module follows the target's forward (its cache, its features)
+            return self.spec.execute(self.runner, fb, seqs, counts)
+        return self.runner.execute_scoring(fb)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[tuple | str]:
         """Per row: (token, logprobs) or the error message of a row whose sampling failed (the
