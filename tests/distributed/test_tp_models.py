@@ -119,3 +119,15 @@ def test_deepseek_v3_mla_tp2(tmp_path):
     save_tiny_deepseek(tmp_path, rope_parameters=YARN)
     results = check_tp(str(tmp_path), 2, layers={"Linear", "MergedLinear"})
     assert all(r["mla_heads"] == [2] for r in results)
+
+
+def test_fp8_block_checkpoint_tp2(tmp_path):
+    """A block-FP8 Qwen3 checkpoint (tests/quant/layouts_fp8.py) whose every split falls on 128-element
+    blocks (q/k/v 256 rows, hidden and intermediate 256): weights and weight_scale_inv grids split."""
+    from tests.quant.layouts_fp8 import write_fp8_block_checkpoint
+
+    config = tiny_config("qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_size=256,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+    save_tiny_model(config, tmp_path / "src")
+    write_fp8_block_checkpoint(tmp_path / "src", tmp_path / "fp8")
+    check_tp(str(tmp_path / "fp8"), 2, layers={"FP8Linear", "VocabEmbedding", "LMHead"})
