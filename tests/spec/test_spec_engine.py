@@ -268,9 +268,9 @@ def test_seeded_sampling_is_reproducible(spec, plain):
 
 @pytest.mark.parametrize("bad, match", [
     ({"method": "medusa"}, "method must be one of"),
-    ({"method": "draft_model", "model": "x"}, "not built yet"),
-    ({"method": "eagle3"}, "not built yet"),
-    ({"method": "mtp"}, "not built yet"),
+    ({"method": "draft_model"}, "model is required"),
+    ({"method": "eagle3"}, "model is required"),
+    ({"method": "mtp", "model": "x"}, "must not be set"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),

@@ -20,7 +20,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-NOT_BUILT = ("draft_model", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -43,8 +42,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.method in NOT_BUILT:
-            raise ValueError(f"speculative_config.method {self.method!r} is not built yet; use 'ngram' or 'suffix'")
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r} "
+                             "(the draft model's directory / the EAGLE-3 head's folder)")
+        if self.method == "mtp" and self.model:
+            raise ValueError('speculative_config.model must not be set for method "mtp": the MTP layer comes '
+                             "from the target's checkpoint")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

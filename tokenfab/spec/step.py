@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.spec.accept import accept_tokens
 from tokenfab.spec.config import SpeculativeConfig
 from tokenfab.spec.proposer import Proposer
@@ -54,7 +55,7 @@ _PRIOR = (1.0, 2.0)  # (accepted, trials) pseudo-counts: 0.5 before anything is 
 _COST_PER_SEQ = 0.05  # a draft must be accepted with probability >= this x batch size to be proposed
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, engine: LLMEngine | None = None) -> Proposer:
     if config.method == "ngram":
         from tokenfab.spec.ngram import NgramProposer
 
@@ -63,7 +64,15 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         from tokenfab.spec import suffix
 
         return suffix.SuffixProposer(config)
-    raise ValueError(f"speculative_config.method {config.method!r} is not built yet")
+    if engine is None:
+        raise ValueError(f"speculative_config.method {config.method!r} needs the engine's target model")
+    if config.method == "draft_model":
+        from tokenfab.spec.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, engine)
+    from tokenfab.spec.feature_draft import Eagle3Proposer, MtpProposer
+
+    return (Eagle3Proposer if config.method == "eagle3" else MtpProposer)(config, engine)
 
 
 def eligible(seq: Sequence) -> bool:
@@ -84,7 +93,13 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, engine: LLMEngine, proposer: Proposer | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.proposer: Proposer = proposer or make_proposer(config)
+        self.proposer: Proposer = proposer or make_proposer(config, engine)
+        # a draft model / EAGLE-3 head / MTP layer: drafts after scheduling, from its own paged cache
+        self.model_based = bool(getattr(self.proposer, "model_based", False))
+        if self.model_based and getattr(engine, "tp", None) is not None:
+            raise ValueError(f"speculative_config.method {config.method!r} does not run with tensor parallelism yet")
+        self._q: dict[str, torch.Tensor] = {}  # request id -> q [k, V] of its drafts (sampled requests)
+        self._overlap_seconds = 0.0  # draft passes inside verify steps (counted as draft time)
         self._acc: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, trials)
         # counters (EngineStats / metrics)
         self.num_draft_tokens = 0  # drafts verified
@@ -93,6 +108,15 @@ class SpecDecoder:
         self.num_spec_steps = 0  # steps with at least one verify row
         self.draft_seconds = 0.0
         self.verify_seconds = 0.0
+
+    # ---- the draft module's cache (model-based proposers) -------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Draft cache bytes a token takes (budgeted with the target's: same blocks, same slots)."""
+        return self.proposer.kv_bytes_per_token() if self.model_based else 0
+
+    def bind_cache(self, block_size: int, num_blocks: int) -> None:
+        if self.model_based:
+            self.proposer.bind_cache(block_size, num_blocks)
 
     # ---- 1. drafts ---------------------------------------------------------------------
     def acceptance(self, request_id: str) -> float:
@@ -116,7 +140,13 @@ class SpecDecoder:
         return j
 
     def would_speculate(self, running: list[Sequence]) -> bool:
-        """Cheap pre-check (no tokens read): may this step carry drafts at all?"""
+        """Cheap pre-check (no tokens read): must this step take the synchronous speculative path?
+        Model-based proposers always do: their caches follow every target forward."""
+        if self.model_based:
+            return bool(running)
+        return self._may_draft(running)
+
+    def _may_draft(self, running: list[Sequence]) -> bool:
         n = len(running)
         return 0 < n <= self.config.disable_by_batch_size and any(eligible(s) for s in running)
 
@@ -125,7 +155,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         for s in running:
             s.spec_token_ids = []
-        if not self.would_speculate(running):
+        if not self._may_draft(running):
             for s in running:
                 self._decay(s.request_id)
             return
@@ -139,6 +169,10 @@ class SpecDecoder:
                 k = min(self.draft_budget(s, b), room)
             if k <= 0:
                 self._decay(s.request_id)
+                continue
+            if self.model_based:  # placeholders: the drafts come after scheduling (fill_drafts)
+                s.spec_token_ids = [0] * k
+                room -= k
                 continue
             draft = [int(t) for t in self.proposer.propose(s, k)[:k]]
             if any(t < 0 or t >= self.engine.vocab_size for t in draft):
@@ -154,6 +188,39 @@ class SpecDecoder:
         acc = self._acc.get(request_id)
         if acc is not None:
             self._acc[request_id] = (acc[0] * _DECAY, acc[1] * _DECAY)
+
+    # ---- 2b. model-based drafts, after scheduling -------------------------------------
+    def fill_drafts(self, seqs: list[Sequence]) -> None:
+        """Replace the placeholders the scheduler kept (its blocks are allocated now) with the
+        draft module's tokens; a feature-fed head also catches up on every scheduled sequence."""
+        if not self.model_based or not seqs:
+            return
+        t0 = time.perf_counter()
+        ks = [len(s.spec_token_ids) for s in seqs]
+        with batch_invariant_mode(True):  # a self-draft's rows round as the target's decode rows do
+            drafts, qs = self.proposer.draft(seqs, ks)
+        for s, k, d, q in zip(seqs, ks, drafts, qs):
+            if not k:
+                continue
+            if len(d) != k or any(t < 0 or t >= self.engine.vocab_size for t in d):
+                raise RuntimeError(f"the draft module returned {d} for {k} drafts")  # a bug, not bad input
+            s.spec_token_ids = list(d)
+            if q is not None:
+                self._q[s.request_id] = q
+        self.draft_seconds += time.perf_counter() - t0
+
+    def execute(self, runner, fb, seqs: list[Sequence], counts: list[int]):
+        """The target's forward for ``LLMEngine._forward``: (logits, prompt hidden states)."""
+        if not self.model_based:
+            return runner.execute_scoring(fb)
+        before = getattr(self.proposer, "observe_seconds", 0.0)
+        with batch_invariant_mode(True):
+            out = self.proposer.execute(runner, fb, seqs, counts)
+        spent = getattr(self.proposer, "observe_seconds", 0.0) - before
+        self.draft_seconds += spent
+        if any(s.spec_token_ids for s in seqs):
+            self._overlap_seconds += spent
+        return out
 
     # ---- 3. sampling / acceptance ------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[list[tuple] | str]:
@@ -183,15 +250,17 @@ class SpecDecoder:
         """accept_tokens over the batch; on failure, sequence by sequence (to fail only the culprit)."""
         drafts = [s.spec_token_ids for s in seqs]
         eos = self.engine.eos_token_ids
+        probs = self._draft_probs(seqs, logits)
         try:
-            results: list[list[int] | str] = list(accept_tokens(logits, seqs, drafts, eos))
+            results: list[list[int] | str] = list(accept_tokens(logits, seqs, drafts, eos, probs))
         except Exception as e:
             self.engine._raise_if_fatal(e)
             log.warning("accepting drafts of %d sequences failed (%r); one by one", len(seqs), e)
             results, r = [], 0
-            for s, d in zip(seqs, drafts):
+            for i, (s, d) in enumerate(zip(seqs, drafts)):
                 try:
-                    results.append(accept_tokens(logits[r : r + len(d) + 1], [s], [d], eos)[0])
+                    q = None if probs is None else probs[r - i : r - i + len(d)]
+                    results.append(accept_tokens(logits[r : r + len(d) + 1], [s], [d], eos, q)[0])
                 except Exception as e1:
                     self.engine._raise_if_fatal(e1)
                     results.append(f"accepting draft tokens failed for this request: {e1}")
@@ -212,6 +281,20 @@ class SpecDecoder:
             self.num_verified += 1
         return results
 
+    def _draft_probs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+        """[sum k_i, V] q rows of the drafts (model-based proposers, when a request samples); None:
+        point masses. A sequence without q (greedy) gets one-hot rows, which the greedy rule ignores."""
+        qs = [self._q.pop(s.request_id, None) for s in seqs]
+        if all(q is None for q in qs) or not any(s.params.temperature != 0.0 for s in seqs):
+            return None
+        rows = []
+        for s, q in zip(seqs, qs):
+            if q is None:
+                q = torch.zeros(len(s.spec_token_ids), logits.shape[1], device=logits.device)
+                q[torch.arange(len(s.spec_token_ids)), torch.tensor(s.spec_token_ids)] = 1.0
+            rows.append(q.to(logits.device))
+        return torch.cat(rows)
+
     # ---- 4. rollback -------------------------------------------------------------------
     def commit(self, seq: Sequence, num_emitted: int) -> None:
         """After ``num_emitted`` tokens of a verified sequence were appended (it is still running):
@@ -226,6 +309,7 @@ class SpecDecoder:
     def release(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
         self._acc.pop(seq.request_id, None)
+        self._q.pop(seq.request_id, None)
         self.proposer.release(seq.request_id)
 
     def stats(self) -> dict[str, float]:
@@ -237,5 +321,5 @@ class SpecDecoder:
             # tokens a verified sequence-step emits: accepted drafts + the target's own token
             "spec_mean_accepted_length": 1 + self.num_accepted_tokens / self.num_verified if self.num_verified else 0.0,
             "spec_draft_seconds_total": self.draft_seconds,
-            "spec_verify_seconds_total": self.verify_seconds,
+            "spec_verify_seconds_total": max(self.verify_seconds - self._overlap_seconds, 0.0),
         }
