@@ -32,7 +32,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "w4a16.c", "fp8_matmul.c")
+_SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "ggml_amx.c", "w4a16.c",
+            "fp8_matmul.c")
 _HEADERS = ("common.h", "ggml_common.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
@@ -143,6 +144,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ggml_dequant_rows": [p, i64, i32, p, i64, p],
         "ggml_isa": [],
         "ggml_amx_probe": [],
+        "ggml_amx_built": [],
+        "ggml_amx_enable": [],
+        "ggml_matmul_q8_amx": [p, p, i64, i64, i64, i32, p],
         "w4a16_matmul": [p, i32, i64, p, i64, p, i32, i64, p, p, i32, i64, i64, i64, i64, p, i32, i64],
         "w4a16_dequant": [p, i64, p, i32, i64, i32, i64, i64, i64, p, i32],
         "fp8_matmul_f32": [p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, p, i64],
@@ -150,6 +154,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     }
     returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
                       "ggml_matmul_f32", "ggml_matmul_q8", "matmul_f32_rowinv", "ggml_isa", "ggml_amx_probe",
+                      "ggml_amx_built", "ggml_amx_enable", "ggml_matmul_q8_amx",
                       "w4a16_matmul", "w4a16_dequant", "fp8_matmul_f32", "fp8_dequant_rows"}
     for name, args in signatures.items():
         fn = getattr(lib, name)

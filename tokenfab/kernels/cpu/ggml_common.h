@@ -78,6 +78,10 @@ static const int64_t BLOCK_BYTES[4] = {34, 18, 20, 128};
  * thread as on two, and skips the barrier (which stalls when the other core is busy) */
 #define PAR_MIN_WORK 262144
 
+/* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and sum(q) sq [M, K/32] (ggml_q8.c):
+ * the one activation quantizer of the q8 paths (VNNI and AMX) */
+void ggml_quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sq);
+
 /* ---------- float16 scale ---------- */
 
 AI float half_to_float(const uint8_t *p) {

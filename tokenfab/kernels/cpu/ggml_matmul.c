@@ -1,6 +1,5 @@
 /* Packed GGML matmul, float32 activations (W4A32 / W8A32), the dequantized-row lookup, and what the
  * build and the CPU support. Formats, modes and paths: ggml_common.h. */
-#define _GNU_SOURCE /* syscall() for the AMX permission request */
 #include "ggml_common.h"
 
 #if GG_AVX2
@@ -271,7 +270,7 @@ void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows,
     }
 }
 
-/* ---------- what was built, and whether AMX may run ---------- */
+/* ---------- what was built ---------- */
 
 /* bit 0: AVX-512 f32 path, 1: AVX2 f32 path, 2: VNNI q8 dots, 3: F16C scale conversion */
 int ggml_isa(void) {
@@ -285,28 +284,4 @@ int ggml_isa(void) {
     return f;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11)
-/* 0: AMX tiles usable (the kernel granted XTILEDATA and a tile instruction ran); 1: the CPU does
- * not report AMX-TILE and AMX-INT8; 2: the OS has not enabled the tile state in XCR0; 3:
- * arch_prctl(ARCH_REQ_XCOMP_PERM) refused. A VM may report the flags and still fault on the first
- * tile instruction (SIGILL): call this in a child process. */
-__attribute__((target("amx-tile"))) int ggml_amx_probe(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 1;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 2; /* OSXSAVE */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & (3u << 17)) != (3u << 17)) return 2; /* XTILECFG, XTILEDATA */
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 3;
-    uint8_t cfg[64] = {0};
-    cfg[0] = 1;                  /* palette 1 */
-    cfg[16] = 64;                /* tile 0: 64 bytes a row */
-    cfg[48] = 16;                /* 16 rows */
-    _tile_loadconfig(cfg);
-    _tile_zero(0);
-    _tile_release();
-    return 0;
-}
-#else
-int ggml_amx_probe(void) { return 1; }
-#endif
+/* (the AMX probe and kernel: ggml_amx.c) */

@@ -16,14 +16,21 @@ A packed weight is the GGUF tensor's raw bytes seen as a uint8 tensor ``[N, K/32
 - ``ggml_matmul_reference`` (same signature): plain torch, the fallback (no compiler,
   ``TOKENFAB_CPU_NATIVE=0``, non-CPU tensors) and the test oracle.
 
-AMX: the C library has a probe (cpuid, XCR0, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, then one tile
-instruction) that ``ggml_kernel_info`` runs in a child process, because some VMs report AMX and
-then fault. There is no AMX kernel yet: a usable AMX is reported, and the VNNI path still runs.
+AMX (``ggml_amx.c``): ``act="q8"`` runs on AMX-INT8 tiles where they work, bit for bit the VNNI
+path's result (same int32 block sums, same float64 order). Chosen once per process
+(``q8_path()``): the library holds the kernel (GCC >= 11, x86-64), ``amx_status()`` says usable
+(cpuid, XCR0, ``arch_prctl(ARCH_REQ_XCOMP_PERM)`` and one tile instruction, in a child process,
+because some VMs report AMX and then fault), ``TOKENFAB_AMX`` is not 0, this process is granted
+the tile state, and a known-answer self-test (small matrices, every format, AMX vs VNNI) agrees
+bit for bit; otherwise the VNNI path runs and the reason is logged and reported by
+``ggml_kernel_info()`` (``q8_path``, ``q8_reason``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -33,6 +40,8 @@ import torch
 
 from tokenfab.kernels.cpu import native_library
 from tokenfab.kernels.cpu.checks import check_status
+
+log = logging.getLogger(__name__)
 
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _QTYPE_ID = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
@@ -167,7 +176,11 @@ def ggml_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: st
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
-    fn = lib.ggml_matmul_f32 if act == "f32" else lib.ggml_matmul_q8
+    if act == "f32":
+        fn = lib.ggml_matmul_f32
+    else:
+        choice = _q8_choice
+        fn = choice[1] if choice is not None and choice[0] is lib else _choose_q8(lib)[1]
     rc = fn(x.data_ptr(), w.data_ptr(), m, n, k, _QTYPE_ID[qtype], out.data_ptr())
     if rc:
         check_status(rc, f"ggml_matmul_{act}")
@@ -236,17 +249,110 @@ def amx_status() -> tuple[bool, str]:
         return False, f"the probe faulted (signal {-proc.returncode}) on a tile instruction (the CPU reports AMX)"
     if proc.returncode:
         return False, _AMX_REASONS.get(proc.returncode, f"the AMX probe failed (exit {proc.returncode})")
-    return True, "AMX tiles work (no AMX kernel yet: the int8 path uses VNNI)"
+    return True, "AMX tiles work"
+
+
+# ---------------------------------------------------------------- the q8 path: AMX or VNNI
+_q8_choice: tuple | None = None  # (library, kernel, path, reason), chosen on the first q8 matmul
+_SELF_TEST_SHAPES = ((1, 20, 96), (17, 33, 64), (3, 16, 320))  # (M, N, K): partial tiles, K % 64 != 0
+
+
+def _int8_path(lib: ctypes.CDLL) -> str:
+    """The name of the non-AMX q8 path this build runs (ggml_q8.c)."""
+    bits = int(lib.ggml_isa())
+    return "vnni" if bits & 4 else ("avx2" if bits & 3 else "scalar")
+
+
+def random_q8_case(m: int, n: int, k: int, qtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [M, K], packed weight [N, row_bytes]) with realistic scales, an all-zero activation block
+    and extreme quants: the self-test's (and the tests') inputs."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
+    w[..., 0:2] = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-4).half().view(torch.uint8)
+    if qtype == "Q4_1":
+        w[..., 2:4] = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().view(torch.uint8)
+    if qtype == "Q8_0":
+        w[0, 0, 2:] = 128  # int8 -128 everywhere in one block
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :32] = 0  # a block of zeros: d = 0
+    return x, w.reshape(n, -1)
+
+
+def amx_self_test(lib: ctypes.CDLL) -> str | None:
+    """None when the AMX kernel equals the VNNI path bit for bit on small known cases (every
+    format, partial tiles, K not a multiple of the 64-byte tile depth), else what differed."""
+    for i, qtype in enumerate(BLOCK_BYTES):
+        for j, (m, n, k) in enumerate(_SELF_TEST_SHAPES):
+            x, w = random_q8_case(m, n, k, qtype, 100 * i + j)
+            want, got = torch.empty(m, n), torch.full((m, n), float("nan"))
+            args = (x.data_ptr(), w.data_ptr(), m, n, k, _QTYPE_ID[qtype])
+            if lib.ggml_matmul_q8(*args, want.data_ptr()) or lib.ggml_matmul_q8_amx(*args, got.data_ptr()):
+                return f"{qtype} M={m} N={n} K={k}: a kernel returned an error"
+            if not torch.equal(want.view(torch.int32), got.view(torch.int32)):
+                bad = int((want.view(torch.int32) != got.view(torch.int32)).sum())
+                return f"{qtype} M={m} N={n} K={k}: {bad} of {m * n} results differ from the VNNI path"
+    return None
+
+
+def select_q8_path(lib: ctypes.CDLL) -> tuple[str, str]:
+    """(path, why) for ``act="q8"``: "amx" only when every condition of the module docstring holds
+    ("amx-emulated" for a test build whose tile instructions are C, ``-DTF_AMX_EMULATE``)."""
+    base = _int8_path(lib)
+    built = int(lib.ggml_amx_built())
+    if not built:
+        return base, "this build has no AMX kernel (needs GCC >= 11 on x86-64)"
+    if os.environ.get("TOKENFAB_AMX", "1").lower() in ("0", "false", "no"):
+        return base, "AMX turned off (TOKENFAB_AMX=0)"
+    usable, why = amx_status()
+    if not usable:
+        return base, why
+    rc = int(lib.ggml_amx_enable())
+    if rc:
+        return base, _AMX_REASONS.get(rc, f"enabling AMX failed ({rc})") + " in this process"
+    failed = amx_self_test(lib)
+    if failed is not None:
+        return base, f"the AMX self-test failed ({failed})"
+    return "amx" if built == 1 else "amx-emulated", "AMX tiles work and the self-test equals the VNNI path bit for bit"
+
+
+def _choose_q8(lib: ctypes.CDLL) -> tuple:
+    global _q8_choice
+    path, why = select_q8_path(lib)
+    if path == "amx":
+        log.info("int8-activation matmuls run on AMX tiles")
+    elif int(lib.ggml_amx_built()) and "amx_int8" in _cpu_flags():
+        log.warning("int8-activation matmuls do not use AMX: %s; the %s path runs", why, path)
+    fn = lib.ggml_matmul_q8_amx if path.startswith("amx") else lib.ggml_matmul_q8
+    _q8_choice = (lib, fn, path, why)
+    return _q8_choice
+
+
+def q8_path() -> tuple[str, str]:
+    """(path, why) of ``act="q8"`` in this process: "amx", "vnni", "avx2", "scalar" (or "amx-emulated"
+    in a test build), or "torch reference" (no native library); chosen once (``reset_q8_path``
+    chooses again)."""
+    lib = native_library()
+    if lib is None:
+        return "torch reference", "no native library"
+    choice = _q8_choice if _q8_choice is not None and _q8_choice[0] is lib else _choose_q8(lib)
+    return choice[2], choice[3]
+
+
+def reset_q8_path() -> None:
+    global _q8_choice
+    _q8_choice = None
 
 
 def ggml_kernel_info() -> dict:
-    """Which code path runs: the ISA the library was built for, VNNI, AMX (usable or why not), threads."""
+    """Which code path runs: the ISA the library was built for, VNNI, AMX (usable or why not), the
+    q8 path (amx or not, and why), threads."""
     lib = native_library()
     amx, why = amx_status() if lib is not None else (False, "no native library")
+    path, path_why = q8_path()
     if lib is None:
         return {"native": False, "isa": "torch reference", "vnni": False, "f16c": False, "amx": False,
-                "amx_reason": why, "threads": torch.get_num_threads()}
+                "amx_reason": why, "q8_path": path, "q8_reason": path_why, "threads": torch.get_num_threads()}
     bits = int(lib.ggml_isa())
     isa = "avx512" if bits & 1 else ("avx2" if bits & 2 else "scalar")
     return {"native": True, "isa": isa, "vnni": bool(bits & 4), "f16c": bool(bits & 8), "amx": amx, "amx_reason": why,
-            "threads": torch.get_num_threads()}
+            "q8_path": path, "q8_reason": path_why, "threads": torch.get_num_threads()}

@@ -20,8 +20,8 @@
 
 /* x [M, K] -> int8 q [M, K], per 32-block scale d [M, K/32] and integer sum(q) sq [M, K/32] */
 /* exact IEEE division and rounding here: the reference (ggml_matmul.py) must reproduce every q */
-__attribute__((optimize("no-fast-math"))) static void quantize_rows_q8(const float *x, int64_t M, int64_t K,
-                                                                       int8_t *q, float *d, int32_t *sq) {
+__attribute__((optimize("no-fast-math"))) void ggml_quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q,
+                                                                    float *d, int32_t *sq) {
 #pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WORK)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *xb = x + i * 32;
@@ -296,7 +296,7 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
         free(sq);
         return TF_ENOMEM;
     }
-    quantize_rows_q8(x, M, K, q, d, sq);
+    ggml_quantize_rows_q8(x, M, K, q, d, sq);
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
