@@ -34,6 +34,11 @@ if str(ROOT) not in sys.path:
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+FP8 = torch.float8_e4m3fn  # the FP8 KV cache
+#: Workloads whose label holds this compile only when asked for (``--only fp8-kv``): the fp8-cache variants,
+#: checked by the slow test in tests/kernels/test_kv_cache_fp8.py, so that the fast-tier compile test
+#: (test_hopper_compile.py, every kernel at its plain configs) does not grow.
+ON_REQUEST = "fp8-kv"
 
 
 def _cuobjdump() -> str:
@@ -138,19 +143,29 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 
     def store(hkv, d, dtype, cache_dtype):
         kc = torch.zeros(64, 16, hkv, d, dtype=cache_dtype)
+        scale = torch.ones(1) if cache_dtype == FP8 else None
         kv_cache._store_kv_triton(torch.randn(37, hkv, d, dtype=dtype), torch.randn(37, hkv, d, dtype=dtype),
-                                  kc, torch.zeros_like(kc), torch.arange(37))
+                                  kc, torch.zeros_like(kc), torch.arange(37), scale, scale)
 
-    def decode(b, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False):
-        q, kc, vc, bt, _, lens = _paged(b, hq, hkv, d, 48, dtype)
+    def fp8_cache(args):
+        """The paged batch with its caches as fp8 (contents unused: only the dtypes matter), and scales."""
+        q, kc, vc, *rest = args
+        return (q, kc.to(FP8), vc.to(FP8), *rest), torch.ones(1), torch.ones(1)
+
+    def decode(b, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False, fp8=False):
+        batch, ks, vs = fp8_cache(_paged(b, hq, hkv, d, 48, dtype)) if fp8 else (_paged(b, hq, hkv, d, 48, dtype),
+                                                                                 None, None)
+        q, kc, vc, bt, _, lens = batch
         sk = torch.randn(hq) if sinks else None
-        attention._paged_decode_attention_triton(q, kc, vc, bt, lens, 48, d**-0.5, window, softcap, sk)
+        attention._paged_decode_attention_triton(q, kc, vc, bt, lens, 48, d**-0.5, window, softcap, sk, ks, vs)
 
-    def prefill(b, q_len, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False):
-        q, kc, vc, bt, cu, lens = _paged(b, hq, hkv, d, q_len, dtype, q_len=q_len)
+    def prefill(b, q_len, hq, hkv, d, dtype, window=0, softcap=0.0, sinks=False, fp8=False):
+        batch = _paged(b, hq, hkv, d, q_len, dtype, q_len=q_len)
+        batch, ks, vs = fp8_cache(batch) if fp8 else (batch, None, None)
+        q, kc, vc, bt, cu, lens = batch
         sk = torch.randn(hq) if sinks else None
         attention._prefill_attention_triton(q, kc, vc, bt, cu, lens, q_len, q_len, d**-0.5, window, softcap,
-                                            sk)
+                                            sk, ks, vs)
 
     def flce_rows(c, v, dtype, smoothing=0.0, z=0.0):
         from tokenfab.kernels import loss
@@ -216,18 +231,27 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
             torch.randn(257, 2 * 9216, dtype=BF16), "none")),
         ("store_kv bf16 8 heads d128", lambda: store(8, 128, BF16, BF16)),
         ("store_kv fp32->bf16 3 heads d64", lambda: store(3, 64, F32, BF16)),
+        ("store_kv fp8-kv bf16 in, 8 heads d128", lambda: store(8, 128, BF16, FP8)),
         ("decode bf16 B64 32/8 d128 (split)", lambda: decode(64, 32, 8, 128, BF16)),
         ("decode bf16 B256 32/8 d128 (1 split)", lambda: decode(256, 32, 8, 128, BF16)),
         ("decode bf16 B1 16/8 d128 (32 splits)", lambda: decode(1, 16, 8, 128, BF16)),
         ("decode bf16 B64 64/8 d64 window+sinks", lambda: decode(64, 64, 8, 64, BF16, 128, 0.0, True)),
         ("decode bf16 B64 8/4 d256 softcap", lambda: decode(64, 8, 4, 256, BF16, 4096, 50.0)),
         ("decode fp32 B8 9/3 d64", lambda: decode(8, 9, 3, 64, F32)),
+        ("decode bf16 fp8-kv B64 32/8 d128 (split)", lambda: decode(64, 32, 8, 128, BF16, fp8=True)),
+        ("decode bf16 fp8-kv B256 32/8 d128 (1 split)", lambda: decode(256, 32, 8, 128, BF16, fp8=True)),
+        ("decode bf16 fp8-kv B64 64/8 d64 window+sinks", lambda: decode(64, 64, 8, 64, BF16, 128, 0.0, True, True)),
+        ("decode bf16 fp8-kv B64 8/4 d256 softcap", lambda: decode(64, 8, 4, 256, BF16, 4096, 50.0, fp8=True)),
         ("prefill bf16 32/8 d128", lambda: prefill(3, 100, 32, 8, 128, BF16)),
         ("prefill bf16 16/16 d128 (MHA)", lambda: prefill(3, 100, 16, 16, 128, BF16)),
         ("prefill bf16 28/4 d128 (group 7)", lambda: prefill(3, 100, 28, 4, 128, BF16)),
         ("prefill bf16 64/8 d64 window+sinks", lambda: prefill(3, 100, 64, 8, 64, BF16, 128, 0.0, True)),
         ("prefill bf16 8/4 d256 softcap+window", lambda: prefill(3, 100, 8, 4, 256, BF16, 4096, 50.0)),
         ("prefill fp32 9/3 d64", lambda: prefill(3, 100, 9, 3, 64, F32)),
+        ("prefill bf16 fp8-kv 32/8 d128", lambda: prefill(3, 100, 32, 8, 128, BF16, fp8=True)),
+        ("prefill bf16 fp8-kv 64/8 d64 window+sinks", lambda: prefill(3, 100, 64, 8, 64, BF16, 128, 0.0, True, True)),
+        ("prefill bf16 fp8-kv 8/4 d256 softcap+window",
+         lambda: prefill(3, 100, 8, 4, 256, BF16, 4096, 50.0, fp8=True)),
         ("prefill fp32 32/8 d128", lambda: prefill(3, 100, 32, 8, 128, F32)),
         ("decode fp32 B8 32/8 d128", lambda: decode(8, 32, 8, 128, F32)),
         ("sample fp32 [64, 151936]", lambda: samp(64, 151936, F32)),
@@ -302,7 +326,7 @@ def compile_all(only: str | None = None) -> list[dict]:
     saved = patch_kernels(kernel_modules(), results, lambda: current["label"])
     try:
         for label, fn in _workloads():
-            if only and only not in label:
+            if (only and only not in label) or (not only and ON_REQUEST in label):
                 continue
             current["label"] = label
             fn()

@@ -23,32 +23,34 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
+from tests.kernels.hopper_compile import ON_REQUEST, patch_kernels, restore, run_cli  # noqa: E402
 
 BF16 = torch.bfloat16
 F32 = torch.float32
+FP8 = torch.float8_e4m3fn  # the FP8 latent cache (rows labelled fp8-kv compile with --only fp8-kv)
 
 
-def _mla(q_lens: list[int], ctx: int, h: int, r: int, rope: int, dtype: torch.dtype, bs: int = 64) -> None:
+def _mla(q_lens: list[int], ctx: int, h: int, r: int, rope: int, dtype: torch.dtype, bs: int = 64,
+         fp8: bool = False) -> None:
     """Launch MLA attention on CPU tensors (contents unused: nothing runs, only shapes matter)."""
     from tokenfab.kernels import mla
 
     b = len(q_lens)
     nblk = (ctx + bs - 1) // bs
-    cache = torch.empty(b * nblk + 1, bs, 1, r + rope, dtype=dtype)
+    cache = torch.empty(b * nblk + 1, bs, 1, r + rope, dtype=FP8 if fp8 else dtype)
     bt = torch.arange(b * nblk, dtype=torch.int32).view(b, nblk)
     q = torch.empty(sum(q_lens), h, r + rope, dtype=dtype)
     cu = torch.zeros(b + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     lens = torch.full((b,), ctx, dtype=torch.int32)
-    mla._mla_attention_triton(q, cache, bt, cu, lens, max(q_lens), ctx, 0.1, r)
+    mla._mla_attention_triton(q, cache, bt, cu, lens, max(q_lens), ctx, 0.1, r, torch.ones(1) if fp8 else None)
 
 
-def _dsa_index(t: int, ctx: int, hi: int, di: int, dtype: torch.dtype, bs: int = 64) -> None:
+def _dsa_index(t: int, ctx: int, hi: int, di: int, dtype: torch.dtype, bs: int = 64, fp8: bool = False) -> None:
     from tokenfab.kernels import dsa
 
     nblk = (ctx + bs - 1) // bs
-    cache = torch.empty(nblk + 1, bs, 1, 576 + di, dtype=dtype)
+    cache = torch.empty(nblk + 1, bs, 1, 576 + di, dtype=FP8 if fp8 else dtype)
     bt = torch.arange(nblk, dtype=torch.int32).view(1, nblk)
     cu = torch.tensor([0, t], dtype=torch.int32)
     dsa._dsa_index_scores_triton(torch.empty(t, hi, di, dtype=dtype), torch.empty(t, hi), cache, bt, cu,
@@ -61,17 +63,19 @@ def _dsa_topk(t: int, n: int, k: int) -> None:
     dsa._dsa_topk_triton(torch.empty(t, n), k)
 
 
-def _dsa_sparse(b: int, h: int, topk: int, dtype: torch.dtype, r: int = 512, rope: int = 64, bs: int = 64) -> None:
+def _dsa_sparse(b: int, h: int, topk: int, dtype: torch.dtype, r: int = 512, rope: int = 64, bs: int = 64,
+                fp8: bool = False) -> None:
     from tokenfab.kernels import dsa
 
     ctx = 4096
     nblk = ctx // bs
-    cache = torch.empty(b * nblk + 1, bs, 1, r + rope + 128, dtype=dtype)
+    cache = torch.empty(b * nblk + 1, bs, 1, r + rope + 128, dtype=FP8 if fp8 else dtype)
     bt = torch.arange(b * nblk, dtype=torch.int32).view(b, nblk)
     cu = torch.arange(b + 1, dtype=torch.int32)
     idx = torch.zeros(b, topk, dtype=torch.int32)
     dsa._dsa_sparse_attention_triton(torch.empty(b, h, r + rope, dtype=dtype), cache, bt, cu,
-                                     torch.full((b,), ctx, dtype=torch.int32), idx, 0.1, r)
+                                     torch.full((b,), ctx, dtype=torch.int32), idx, 0.1, r,
+                                     torch.ones(1) if fp8 else None)
 
 
 def _workloads() -> list[tuple[str, Callable[[], None]]]:
@@ -88,6 +92,13 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         ("mla decode bf16 B8 H16 r512+64 (TP8 slice)", lambda: _mla([1] * 8, 256, 16, 512, 64, BF16)),
         ("mla mixed bf16 T=300 H128 r512+64", lambda: _mla([1, 1, 298], 512, 128, 512, 64, BF16)),
         ("mla decode fp32 B8 H4 r32+16", lambda: _mla([1] * 8, 256, 4, 32, 16, F32)),
+        ("mla decode bf16 fp8-kv B64 H128 r512+64", lambda: _mla([1] * 64, 256, 128, 512, 64, BF16, fp8=True)),
+        ("mla decode bf16 fp8-kv B1 H128 r512+64 (splits)", lambda: _mla([1], 256, 128, 512, 64, BF16, fp8=True)),
+        ("mla decode bf16 fp8-kv B8 H16 r512+64 (TP8 slice)",
+         lambda: _mla([1] * 8, 256, 16, 512, 64, BF16, fp8=True)),
+        ("mla mixed bf16 fp8-kv T=300 H128 r512+64", lambda: _mla([1, 1, 298], 512, 128, 512, 64, BF16, fp8=True)),
+        ("dsa sparse bf16 fp8-kv B64 H128 top-2048", lambda: _dsa_sparse(64, 128, 2048, BF16, fp8=True)),
+        ("dsa index bf16 fp8-kv T=8 Hi64 d128 (V3.2)", lambda: _dsa_index(8, 4096, 64, 128, BF16, fp8=True)),
     ]
 
 
@@ -99,7 +110,7 @@ def compile_all(only: str | None = None) -> list[dict]:
     saved = patch_kernels([mla, dsa, dsa_indexer, paged], results, lambda: current["label"])
     try:
         for label, fn in _workloads():
-            if only and only not in label:
+            if (only and only not in label) or (not only and ON_REQUEST in label):
                 continue
             current["label"] = label
             fn()

@@ -228,7 +228,7 @@ def _mla_split_kernel(
 
 
 def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, num_sms: int,
-               dtype: torch.dtype = torch.bfloat16, decode_only: bool = True) -> dict:
+               dtype: torch.dtype = torch.bfloat16, decode_only: bool = True, kv_fp8: bool = False) -> dict:
     """Launch configuration of MLA attention (also used by the compile test).
 
     BLOCK_H heads share each latent tile; programs of the same token and split are adjacent in
@@ -240,12 +240,16 @@ def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int
     at sm_90, checked by the compile test). Mixed batches (the per-token prefill path, a few more
     live registers) take 32-head tiles; small head counts 16. The split count depends only on T,
     H and the device (never on context lengths), so one CUDA graph per batch size serves every step.
+    ``dtype`` is the products' dtype (q's). An fp8 cache (``kv_fp8``) takes 32-head decode tiles: widening
+    the latent tile to bf16 in registers on its way to shared memory spilled the 64-head tile at sm_90 at
+    every stage count (264-272 bytes), the 32-head one fits (253 registers); its L2 re-reads of a page
+    (four) move the same bytes as bf16's two, the rows being half as wide.
     """
     fp32 = dtype == torch.float32
     if fp32:
         block_h, block_n, warps = 16, 16, 4
     elif num_heads >= 64 and kv_lora_rank > 128:
-        block_h, block_n, warps = (64, 16, 8) if decode_only else (32, 32, 8)
+        block_h, block_n, warps = ((32 if kv_fp8 else 64), 16, 8) if decode_only else (32, 32, 8)
     else:
         block_h, block_n, warps = 16, 32, 4 if kv_lora_rank <= 128 else 8
     head_blocks = triton.cdiv(num_heads, block_h)
@@ -303,7 +307,7 @@ def _mla_attention_triton(
     kv_fp8 = check_latent_fp8("mla_attention", q, cache, kv_scale)
     op_dtype = q.dtype if kv_fp8 else cache.dtype
     decode_only = max_query_len == 1 and t == nseq
-    cfg = mla_config(t, h, r, d - r, num_sms(q.device), op_dtype, decode_only)
+    cfg = mla_config(t, h, r, d - r, num_sms(q.device), op_dtype, decode_only, kv_fp8)
     cfg.update(config or {})
     if num_splits is not None:
         check_num_splits(num_splits)
