@@ -181,3 +181,19 @@ def test_real_amx_equals_vnni_bit_for_bit(qtype):
         assert gm.q8_path()[0] == "amx"
     finally:
         gm.reset_q8_path()
+
+
+@needs_native
+def test_dispatch_uses_the_chosen_kernel_from_one_tile_of_rows(monkeypatch):
+    """With AMX chosen, products of >= AMX_MIN_ROWS activation rows call it, smaller ones (decode)
+    the VNNI kernel; the bits are the reference's either way (here the chosen kernel is a spy that
+    runs the VNNI kernel)."""
+    lib = native_library()
+    calls = []
+    vnni = lib.ggml_matmul_q8
+    monkeypatch.setattr(gm, "_q8_choice", (lib, lambda *a: calls.append(a[2]) or vnni(*a), "amx", "test"))
+    for m in (1, gm.AMX_MIN_ROWS - 1, gm.AMX_MIN_ROWS, 40):
+        x, w = gm.random_q8_case(m, 24, 64, "Q8_0", m)
+        assert _bits_equal(gm.ggml_matmul(x, w, "Q8_0", 64, act="q8"),
+                           gm.ggml_matmul_reference(x, w, "Q8_0", 64, act="q8"))
+    assert calls == [gm.AMX_MIN_ROWS, 40]

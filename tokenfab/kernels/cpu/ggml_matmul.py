@@ -23,7 +23,8 @@ path's result (same int32 block sums, same float64 order). Chosen once per proce
 because some VMs report AMX and then fault), ``TOKENFAB_AMX`` is not 0, this process is granted
 the tile state, and a known-answer self-test (small matrices, every format, AMX vs VNNI) agrees
 bit for bit; otherwise the VNNI path runs and the reason is logged and reported by
-``ggml_kernel_info()`` (``q8_path``, ``q8_reason``).
+``ggml_kernel_info()`` (``q8_path``, ``q8_reason``). Products of fewer than ``AMX_MIN_ROWS``
+activation rows (decode) stay on the VNNI path either way (the same bits).
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ def ggml_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: st
         w = w.contiguous()
     if act == "f32":
         fn = lib.ggml_matmul_f32
+    elif m < AMX_MIN_ROWS:  # (same bits on either path)
+        fn = lib.ggml_matmul_q8
     else:
         choice = _q8_choice
         fn = choice[1] if choice is not None and choice[0] is lib else _choose_q8(lib)[1]
@@ -254,6 +257,9 @@ def amx_status() -> tuple[bool, str]:
 
 # ---------------------------------------------------------------- the q8 path: AMX or VNNI
 _q8_choice: tuple | None = None  # (library, kernel, path, reason), chosen on the first q8 matmul
+# fewer activation rows than one 16-row tile stay on the VNNI path: a tile would be mostly padding
+# (a decode step's M = 1 uses 1/16 of it). Unmeasured: no AMX machine was at hand; tune there.
+AMX_MIN_ROWS = 16
 _SELF_TEST_SHAPES = ((1, 20, 96), (17, 33, 64), (3, 16, 320))  # (M, N, K): partial tiles, K % 64 != 0
 
 
