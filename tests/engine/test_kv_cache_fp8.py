@@ -93,3 +93,54 @@ def test_skip_layer_index_out_of_range(tmp_path):
         _engine(tmp_path, kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="5")
     engine = _engine(tmp_path, kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="-1")  # the last layer
     assert [m.self_attn.attn.k_cache.dtype for m in engine.model.model.layers] == [FP8, torch.float32]
+
+
+BUNDLED_KV_FP8 = 30 * 2 * 3 * 64  # SmolLM2-135M: 30 layers, K and V, 3 kv heads of 64, one byte each
+
+
+@pytest.mark.slow
+def test_bundled_model_fp8_llm_prefix_cache_and_chunked_prefill():
+    """LLM(kv_cache_dtype="fp8") on the bundled model: a quarter of float32's bytes per token, so four
+    times the blocks in the same memory; greedy generation through chunked prefill (chunks of 32), then the
+    same prompt again served from the prefix cache gives the same tokens; a plain fact stays right."""
+    from tokenfab import LLM, SamplingParams
+
+    budget = 48 << 20
+    llm = LLM(kv_cache_dtype="fp8", max_num_batched_tokens=32, max_model_len=512, kv_cache_memory=budget)
+    eng = llm.engine
+    assert eng.memory["kv_bytes_per_token"] == BUNDLED_KV_FP8
+    assert eng.block_manager.num_blocks == budget // (BUNDLED_KV_FP8 * 16)  # float32: 46080 B/token, 68 blocks
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    long_prompt = "Here is a short story about a lighthouse keeper who finds a message in a bottle. " * 6
+    first = llm.generate(long_prompt, greedy)[0]
+    assert len(first.prompt_token_ids) > 96 and len(first.outputs[0].token_ids) == 16
+    computed = eng.computed_prompt_tokens_total
+    again = llm.generate(long_prompt, greedy)[0]
+    assert eng.computed_prompt_tokens_total - computed < 16  # all but the last partial block were cached
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert "Paris" in llm.generate("The capital of France is", greedy)[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_serve_with_fp8_kv_cache_reports_bytes_per_token():
+    """`tokenfab serve --kv-cache-dtype fp8`: the start-up log and /metrics show 11,520 bytes per token
+    (float32: 46,080) and the server answers."""
+    import httpx
+
+    from tests.server.conftest import metric
+    from tests.server.test_cli_server import API_KEY, ServeProcess
+
+    server = ServeProcess("--kv-cache-dtype", "fp8", "--max-model-len", "512", "--max-num-seqs", "4",
+                          "--no-access-log")
+    try:
+        assert f"KV cache {BUNDLED_KV_FP8} bytes/token" in server.output
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=120) as http:
+            assert metric(http.get("/metrics").text, "tokenfab_kv_cache_bytes_per_token") == BUNDLED_KV_FP8
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,
+                    "temperature": 0}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert "Paris" in r.json()["choices"][0]["text"]
+    finally:
+        server.stop()
