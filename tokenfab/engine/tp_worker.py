@@ -56,6 +56,9 @@ class TPWorker:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
+        from tokenfab.quant.kv_fp8 import configure_kv_cache
+
+        configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # as on rank 0
         self.runner: Any = None
         self.steps = 0
 
