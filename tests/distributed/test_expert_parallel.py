@@ -175,3 +175,201 @@ def test_dispatch_bytes_match_plan_expected_ranks():
     del w13, w2
     per_token = sum(c["dispatch"] for c in comm.sent) / (ep * t) / (H * 4)
     assert per_token == pytest.approx(expected_remote_ranks(experts, k, ep), rel=0.05)
+
+
+# ---------------------------------------------------------------- gloo processes (slow tier)
+
+E_LAYER, K_LAYER, T_LAYER = 8, 2, 24
+
+
+class _RowwiseF:
+    """torch.nn.functional with a row-invariant ``linear`` (one M=1 product per row): patched into the
+    CPU fused-experts reference so that EP and one process compute each pair identically."""
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def linear(x, w, b=None):
+        rows = [F.linear(x[r:r + 1], w, b) for r in range(x.shape[0])]
+        return torch.cat(rows) if rows else F.linear(x, w, b)
+
+
+def _layer_rank(rank: int, tp: int, ep_on: bool, redundant: int, mode: str) -> dict:
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.kernels import moe_gemm
+    from tokenfab.layers.moe import FusedMoE
+
+    torch.set_num_threads(1)
+    ps.init_parallel(tp)
+    ps.init_expert_parallel(ep_on, redundant)
+    ep_dispatch.set_ep_mode(mode, capacity=T_LAYER)
+    moe_gemm.F = _RowwiseF()
+    g = torch.Generator().manual_seed(0)  # the same full weights and tokens on every rank (SPMD)
+    w13 = torch.randn(E_LAYER, 2 * I, H, generator=g)
+    w2 = torch.randn(E_LAYER, H, I, generator=g)
+    b2 = torch.randn(E_LAYER, H, generator=g)
+    gate = torch.randn(E_LAYER, H, generator=g) * 0.3
+    x = torch.randn(T_LAYER, H, generator=g)
+    moe = FusedMoE(H, I, E_LAYER, K_LAYER, expert_bias=True)
+    moe.gate.weight.data.copy_(gate)
+    done = []
+    for e in range(E_LAYER):  # per expert, full-size tensors: the layer keeps its slots / its slice
+        done += moe.load_expert_weight("gate", w13[e, :I], e) + moe.load_expert_weight("up", w13[e, I:], e)
+        done += moe.load_expert_weight("down", w2[e], e) + moe.load_expert_weight("down_bias", b2[e], e)
+        done += moe.load_expert_weight("gate_bias", torch.zeros(I), e)
+        done += moe.load_expert_weight("up_bias", torch.zeros(I), e)
+    counter = ps.CommCounter()
+    ps.set_comm_counter(counter)
+    out = moe(x)
+    ps.set_comm_counter(None)
+    weights, ids = moe.route(x)
+    ref = moe_gemm.fused_experts_ref(x, w13, w2, weights, ids, torch.zeros(E_LAYER, 2 * I), b2)
+    res = {"done": sorted(done), "exact": bool(torch.equal(out, ref)), "diff": float((out - ref).abs().max()),
+           "rel": float((out - ref).abs().max() / ref.abs().max()),
+           "num_local": moe.num_local_experts, "calls": counter.calls, "load": moe.expert_load.tolist(),
+           "remote_copies": None}
+    if moe.placement is not None:
+        st = ps.get_parallel_state()
+        chunk = -(-T_LAYER // tp)
+        mine = ids[st.tp_rank * chunk:(st.tp_rank + 1) * chunk]
+        phys = select_replica(mine, moe.log2phy, moe.logcnt).long()
+        dest = phys // moe.num_local_experts
+        res["remote_copies"] = sum(len(set(row.tolist()) - {st.ep_rank}) for row in dest)
+        res["before"] = moe.placement.phy2log.tolist()
+        res["after"] = moe.rebalance().phy2log.tolist()
+        out2 = moe(x)
+        res["exact_after_rebalance"] = bool(torch.equal(out2, ref))
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep_on,redundant,mode", [
+    (1, True, 2, "normal"), (1, True, 2, "low_latency"), (2, True, 0, "auto"), (2, False, 0, "auto"),
+])
+def test_fused_moe_layer_across_processes(tp, ep_on, redundant, mode):
+    """EP 2 (EPLB 2 redundant experts), TP 2 + EP 2 and TP 2 without EP: the layer equals one process,
+    bit for bit with EP (row-invariant products), within float32 rounding for the TP split (partial
+    sums all-reduced); rebalance() from the measured load moves the weights and keeps the output."""
+    from tests.distributed.launch import run_ranks
+
+    res = run_ranks(_layer_rank, 2, tp, ep_on, redundant, mode)
+    for r in res:
+        assert set(r["done"]) == {"w13_weight", "w2_weight", "w13_bias", "w2_bias"}  # every local slot loaded
+        if ep_on:
+            assert r["exact"], r["diff"]
+            assert r["num_local"] == (E_LAYER + redundant) // 2
+            assert r["exact_after_rebalance"]
+            assert r["after"] != r["before"] or redundant == 0
+        else:
+            assert r["rel"] < 1e-6 and r["num_local"] == E_LAYER  # float32 rounding of the partial sums
+            assert [k for k, _ in r["calls"]] == ["all_reduce"]
+    if ep_on and mode == "normal":
+        for r in res:
+            sent = dict.fromkeys(("dispatch", "combine", "count_exchange"), 0)
+            for k, b in r["calls"]:
+                sent[k] = sent.get(k, 0) + b
+            assert sent["dispatch"] == r["remote_copies"] * H * 4  # a row once per other rank it visits
+            assert sent["count_exchange"] == 8  # one int64 to the other rank
+    if ep_on:  # the load counters saw every pair each rank routed (SPMD: its TP share of the tokens)
+        assert sum(sum(r["load"]) for r in res) == 2 * (T_LAYER // tp) * K_LAYER
+
+
+def _moe_model_paths(tmp_path_factory) -> dict:
+    from tests.models.test_deepseek import save_tiny_deepseek
+    from tests.moe_tiny_models import tiny_moe_config
+    from tests.tiny_models import save_tiny_model
+
+    paths = {}
+    for case in ("qwen3_moe", "mixtral", "gpt_oss"):
+        p = tmp_path_factory.mktemp(case)
+        save_tiny_model(tiny_moe_config(case), p)
+        paths[case] = str(p)
+    p = tmp_path_factory.mktemp("deepseek_v3")
+    save_tiny_deepseek(p)
+    paths["deepseek_v3"] = str(p)
+    return paths
+
+
+# shared prefixes (prefix-cache hits), a long prompt (chunked prefill at 8 tokens a step) and 14 KV
+# blocks of 4 tokens for 4 requests of up to 30 tokens (preemption)
+ENGINE_ARGS = dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=8, max_num_seqs=4)
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [5, 17, 42, 99, 3, 250, 7, 8, 1, 2],
+           list(range(30, 52)), [7, 8]]
+MAX_TOKENS = 8
+
+
+def _generate(engine, prompts) -> tuple[list[list[int]], int]:
+    from tokenfab.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", list(p), params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[f"r{i}"] for i in range(len(prompts))], engine.scheduler.num_preemptions_total
+
+
+def _model_rank(rank: int, path: str, tp: int, redundant: int, mode: str) -> dict:
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.engine.llm_engine import LLMEngine
+    from tokenfab.layers.moe import FusedMoE
+
+    torch.set_num_threads(1)
+    ps.init_parallel(tp)
+    ps.init_expert_parallel(True, redundant)
+    ep_dispatch.set_ep_mode(mode, capacity=ENGINE_ARGS["max_num_seqs"])
+    engine = LLMEngine(model=path, **ENGINE_ARGS)
+    counter = ps.CommCounter()
+    ps.set_comm_counter(counter)
+    first, preempted = _generate(engine, PROMPTS[:2])  # the second request hits the first's prefix
+    tokens, preempted2 = _generate(engine, PROMPTS)
+    ps.set_comm_counter(None)
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    kinds = sorted({k for k, _ in counter.calls})
+    return {"tokens": first + tokens, "preempted": preempted + preempted2, "kinds": kinds,
+            "local": [m.num_local_experts for m in moes], "replicas": [int(m.logcnt.max()) for m in moes]}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from tokenfab.engine.llm_engine import LLMEngine
+
+    paths = _moe_model_paths(tmp_path_factory)
+    refs = {}
+    for case, path in paths.items():
+        engine = LLMEngine(model=path, **ENGINE_ARGS)
+        first, _ = _generate(engine, PROMPTS[:2])
+        tokens, _ = _generate(engine, PROMPTS)
+        refs[case] = first + tokens
+    return paths, refs
+
+
+MODEL_RUNS = [("qwen3_moe", 1, 2, "auto"), ("mixtral", 1, 2, "auto"), ("gpt_oss", 1, 2, "auto"),
+              ("deepseek_v3", 1, 2, "auto"), ("qwen3_moe", 1, 0, "normal"), ("deepseek_v3", 1, 0, "low_latency"),
+              ("qwen3_moe", 2, 2, "auto"), ("deepseek_v3", 2, 0, "auto")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,tp,redundant,mode", MODEL_RUNS)
+def test_moe_model_greedy_tokens_match_one_process(moe_models, case, tp, redundant, mode):
+    """2 gloo ranks, each running the same requests (SPMD) with the MoE layers expert-parallel over
+    both (TP 2 + EP 2 where tp is 2: the TP ranks split the tokens): the same greedy tokens as one
+    process, with prefix caching, chunked prefill and preemption on."""
+    from tests.distributed.launch import run_ranks
+
+    paths, refs = moe_models
+    res = run_ranks(_model_rank, 2, paths[case], tp, redundant, mode)
+    experts = {"qwen3_moe": 8, "mixtral": 8, "gpt_oss": 8, "deepseek_v3": 8}[case]
+    for r in res:
+        assert r["tokens"] == refs[case]
+        assert r["preempted"] > 0
+        assert set(r["local"]) == {(experts + redundant) // 2}
+        if redundant:
+            assert max(r["replicas"]) == 2
+        want = {"normal": {"dispatch", "combine"}, "low_latency": {"dispatch_ll", "combine_ll"},
+                "auto": {"dispatch", "combine", "dispatch_ll", "combine_ll"}}[mode]
+        assert want <= set(r["kinds"]), r["kinds"]
