@@ -95,6 +95,38 @@ def test_skip_layer_index_out_of_range(tmp_path):
     assert [m.self_attn.attn.k_cache.dtype for m in engine.model.model.layers] == [FP8, torch.float32]
 
 
+@pytest.mark.slow  # ~9 s (bfloat16 on CPU)
+def test_bfloat16_model_halves_bytes_per_token(tmp_path):
+    save_tiny_model(tiny_config("llama"), tmp_path)
+    bf16 = _engine(tmp_path, dtype="bfloat16")
+    fp8 = _engine(tmp_path, dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    assert bf16.memory["kv_bytes_per_token"] == 2 * fp8.memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    tokens, _ = run_capturing_logits(fp8, [3, 1, 4, 1, 5, 9, 2, 6], 4)  # bf16 queries over the e4m3 cache (C kernel)
+    assert len(tokens) == 4
+
+
+@pytest.mark.slow
+def test_triton_kernels_through_the_engine(tmp_path, monkeypatch):
+    """The engine's FP8 plumbing through the Triton kernels (the interpreter here; what a GPU runs):
+    store_kv quantizing with the bound scales, the prefill and decode kernels reading them. Same tokens
+    as the native CPU path over the same FP8 cache, logits equal to float32 rounding."""
+    save_tiny_model(tiny_config("llama"), tmp_path)
+    prompt = [(5 * i + 2) % 320 for i in range(19)]
+    native_tokens, native_logits = run_capturing_logits(_engine(tmp_path, kv_cache_dtype="fp8"), prompt, 4)
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    from tokenfab.kernels import attention
+
+    calls = []
+    for name in ("_prefill_attention_triton", "_paged_decode_attention_triton"):
+        orig = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    tokens, logits = run_capturing_logits(_engine(tmp_path, kv_cache_dtype="fp8"), prompt, 4)
+    assert {"_prefill_attention_triton", "_paged_decode_attention_triton"} <= set(calls)
+    assert tokens == native_tokens
+    for a, b in zip(logits, native_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 BUNDLED_KV_FP8 = 30 * 2 * 3 * 64  # SmolLM2-135M: 30 layers, K and V, 3 kv heads of 64, one byte each
 
 
