@@ -43,7 +43,7 @@ import zmq
 
 from tokenfab.engine import ipc
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.core_process import pid_alive, pid_fd
+from tokenfab.engine.core_process import EXIT_TP_WORKER_DIED, pid_alive, pid_fd
 from tokenfab.engine.errors import EngineDeadError
 from tokenfab.engine.llm_engine import EngineStats, LLMEngine
 from tokenfab.engine.output_processor import OutputProcessor
@@ -80,6 +80,30 @@ def load_tokenizer(model: str | None) -> Any:
 
         return load_gguf_tokenizer(path)
     return _hf_tokenizer(path)
+
+
+@dataclasses.dataclass
+class CoreLaunch:
+    """An engine-core process started but not yet connected to (several start at once under DP)."""
+
+    proc: subprocess.Popen
+    address: str
+    workdir: str
+
+    @classmethod
+    def start(cls, args: EngineArgs, log_level: str = "info", env: dict[str, str] | None = None) -> CoreLaunch:
+        workdir = tempfile.mkdtemp(prefix="tokenfab-core-")
+        address = f"ipc://{workdir}/core.sock"
+        engine_args = dataclasses.asdict(args)
+        cmd = [sys.executable, "-m", "tokenfab.engine.core_process", "--address", address,
+               "--args-json", json.dumps(engine_args), "--parent-pid", str(os.getpid()), "--log-level", log_level]
+        return cls(subprocess.Popen(cmd, env=env), address, workdir)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class EngineCoreClient:
@@ -132,20 +156,16 @@ class EngineCoreClient:
     @classmethod
     def spawn(cls, args: EngineArgs, log_level: str = "info") -> EngineCoreClient:
         """Start ``python -m tokenfab.engine.core_process`` and connect; RuntimeError if it fails to load."""
-        workdir = tempfile.mkdtemp(prefix="tokenfab-core-")
-        address = f"ipc://{workdir}/core.sock"
-        engine_args = {k: v for k, v in dataclasses.asdict(args).items()}
-        cmd = [sys.executable, "-m", "tokenfab.engine.core_process", "--address", address,
-               "--args-json", json.dumps(engine_args), "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        proc = subprocess.Popen(cmd)
+        launch = CoreLaunch.start(args, log_level)
+        return cls.connect(launch, load_tokenizer(args.model))
+
+    @classmethod
+    def connect(cls, launch: CoreLaunch, tokenizer: Any) -> EngineCoreClient:
+        """Connect to a started core (waits for it to load); on failure the core is stopped."""
         try:
-            tokenizer = load_tokenizer(args.model)
-            return cls(address, proc.pid, tokenizer, proc=proc, workdir=workdir)
+            return cls(launch.address, launch.proc.pid, tokenizer, proc=launch.proc, workdir=launch.workdir)
         except BaseException:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            shutil.rmtree(workdir, ignore_errors=True)
+            launch.kill()
             raise
 
     def _handshake(self, timeout: float) -> dict[str, Any]:
@@ -187,6 +207,9 @@ class EngineCoreClient:
                 code = self.proc.wait() if self.proc is not None else None
                 how = f" (exit code {code})" if code is not None and code >= 0 else \
                     f" (killed by signal {-code})" if code is not None else ""
+                if code == EXIT_TP_WORKER_DIED:
+                    how += ": a tensor-parallel worker died"
+                time.sleep(0.2)  # a step() reading the core's "dead" frame reports the exact reason first
                 self._mark_dead(f"the engine core process (pid {self.core_pid}) died{how}")
                 return
 

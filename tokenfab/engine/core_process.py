@@ -11,6 +11,11 @@ from the loop itself (an empty ``outputs`` at least every ``BEAT_S`` to each fro
 in flight) lets a front end tell a hung core (alive, not stepping) from a busy one. SIGINT
 is ignored (Ctrl-C reaches the whole process group: the API server shuts the core down in order);
 SIGTERM stops it.
+
+Tensor parallel (``--tensor-parallel-size``): the core is rank 0 (``engine/tp_executor.py``). A
+worker that dies makes the core send ``dead`` with the reason and exit 1 within seconds: the
+loop watches the executor's death fd, a collective in flight fails (gloo sees the closed
+connection) or times out, and a timer ends the process if the main thread stays stuck.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -32,6 +38,7 @@ from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.errors import EngineDeadError
 
 log = logging.getLogger("tokenfab.core")
+EXIT_TP_WORKER_DIED = 4  # the exit code when a tensor-parallel worker died (the client names it)
 # the loop tells each front end with requests in flight that it is alive at least this often (an
 # empty ``outputs``), even through chunked prefills that emit no token for many steps
 BEAT_S = 1.0
@@ -96,12 +103,18 @@ class EngineCore:
         poller.register(self.sock, zmq.POLLIN)
         if self._parent_fd is not None:
             poller.register(self._parent_fd, zmq.POLLIN)
+        tp = getattr(self.engine, "tp", None)  # tensor parallel: a dead worker ends the core
+        if tp is not None:
+            poller.register(tp.death_fd, zmq.POLLIN)
+            tp.on_death.append(_exit_soon)
         while not self._stop:
             busy = self.engine.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else 1000))
             if self._parent_gone(events):
                 log.warning("the API server process is gone: the engine core exits")
                 return
+            if tp is not None and tp.dead is not None:
+                self._die(EngineDeadError(tp.dead))
             if self.sock in events or busy:
                 self._drain()
             if self._stop:
@@ -188,14 +201,19 @@ class EngineCore:
             self._structured = StructuredOutputCompiler(self.engine.tokenizer, self.engine.vocab_size)
         return self._structured.from_response_format(json.loads(spec))
 
+    def _die(self, error: EngineDeadError) -> None:
+        """Tell every front end why, then raise: the process exits 1."""
+        log.error("the engine core hit a fatal error: %s", error)
+        for ident in self._clients:
+            self._send(ident, ipc.encode("dead", str(error)))
+        raise error
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except EngineDeadError as e:
             log.exception("the engine core hit a fatal error")
-            for ident in self._clients:
-                self._send(ident, ipc.encode("dead", str(e)))
-            raise
+            self._die(e)
         except Exception as e:  # not attributable to one request: fail those in flight (as AsyncEngine does)
             log.exception("engine step failed; failing the requests in flight")
             outputs = []
@@ -256,6 +274,14 @@ class EngineCore:
             log.debug("cannot send to a front end: %s", e)
 
 
+def _exit_soon(message: str, grace: float = 10.0) -> None:
+    """Second line behind the loop's own check: if the main thread is stuck (a collective that
+    neither fails nor times out soon), the process still ends a few seconds after a TP worker died."""
+    timer = threading.Timer(grace, os._exit, (EXIT_TP_WORKER_DIED,))
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenfab-engine-core")
     parser.add_argument("--address", required=True, help="ZMQ endpoint to bind (ipc://...)")
@@ -283,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         core.run()
     except EngineDeadError:
-        return 1
+        tp = getattr(engine, "tp", None)
+        return EXIT_TP_WORKER_DIED if tp is not None and tp.dead is not None else 1
     finally:
         sock.close(0)
         ctx.term()
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
     return 0
 
 

@@ -18,8 +18,15 @@ class LLM:
     """Offline batched generation. ``LLM()`` loads the bundled SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if engine_args.get("data_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size: replicas are served by `tokenfab serve --data-parallel-size N`; "
+                             "the offline LLM runs one engine (use tensor_parallel_size to shard it)")
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (also done at exit)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Any:

@@ -323,7 +323,7 @@ class TPExecutor:
             pass
         for p in self.procs:
             try:
-                p.wait(timeout)
+                p.wait(timeout if self.dead is None else 0.5)  # a broken group: the others may be stuck
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

@@ -78,6 +78,28 @@ def run(args: argparse.Namespace) -> int:
     if args.responses_store_size < 0 or not args.responses_ttl > 0:
         print("tokenfab serve: --responses-store-size must be >= 0 and --responses-ttl > 0", file=sys.stderr)
         return 2
+    from tokenfab.engine.tp_executor import launched_by_torchrun
+
+    if launched_by_torchrun():  # torchrun: rank 0 serves, every other rank is a TP worker
+        world = int(os.environ["WORLD_SIZE"])
+        if args.data_parallel_size != 1:
+            print("tokenfab serve: under torchrun every rank is one TP group: drop --data-parallel-size",
+                  file=sys.stderr)
+            return 2
+        if args.tensor_parallel_size == 1:
+            args.tensor_parallel_size = world
+        if int(os.environ["RANK"]) != 0:
+            from tokenfab.engine.tp_worker import torchrun_worker_main
+
+            return torchrun_worker_main(EngineArgs.from_cli_args(args))
+    for flag in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            print(f"tokenfab serve: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.data_parallel_size > 1 and (args.engine_in_process or args.api_server_count > 1):
+        print("tokenfab serve: --data-parallel-size > 1 needs the engine cores in their own processes behind one "
+              "API server (drop --engine-in-process / --api-server-count)", file=sys.stderr)
+        return 2
     if args.api_server_count > 1:
         if args.engine_in_process:
             print("tokenfab serve: --api-server-count > 1 needs the engine in its own process "
@@ -107,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 def load_engine(args: argparse.Namespace) -> object | None:
     """The engine the API server drives: an ``EngineCoreClient`` on an engine-core process
-    (default), or an in-process ``LLMEngine`` (--engine-in-process). None (message printed) if the
+    (default), a ``DPClient`` on N of them (--data-parallel-size), or an in-process ``LLMEngine``
+    (--engine-in-process). None (message printed) if the
     model cannot be loaded."""
     engine_args = EngineArgs.from_cli_args(args)
     try:
@@ -115,6 +138,10 @@ def load_engine(args: argparse.Namespace) -> object | None:
             from tokenfab.engine.llm_engine import LLMEngine
 
             return LLMEngine(engine_args)
+        if engine_args.data_parallel_size > 1:
+            from tokenfab.engine.dp_client import DPClient
+
+            return DPClient.spawn(engine_args, args.log_level)
         from tokenfab.engine.core_client import EngineCoreClient
 
         return EngineCoreClient.spawn(engine_args, args.log_level)
