@@ -35,6 +35,7 @@ from tokenfab.kernels.attention_ref import (
     paged_decode_attention_ref,
     prefill_attention_ref,
 )
+from tokenfab.kernels.batch_invariant import SHORT_EXTEND_ROWS, batch_invariant
 from tokenfab.kernels.cpu import attention as native_attention
 from tokenfab.kernels.kv_cache import is_fp8
 from tokenfab.kernels.paged import LOG2E, MAX_DECODE_SPLITS
@@ -94,16 +95,57 @@ def paged_attention_cpu(*args, **kwargs) -> torch.Tensor:
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
                             max_context_len, scale, sliding_window=0, softcap=0.0, sinks=None, k_scale=None,
                             v_scale=None) -> torch.Tensor:
-    """Decode-only steps run the split-KV decode kernel, any other step the prefill kernel."""
+    """Decode-only steps run the split-KV decode kernel, any other step the prefill kernel; in
+    batch-invariant mode the rows of short extends (verify rows) run as decode rows."""
     if max_query_len == 1:
         return _paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, sliding_window, softcap, sinks,
             k_scale, v_scale,
         )
+    if batch_invariant() and q.shape[0] > 0:
+        return _invariant_extend_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                        max_query_len, max_context_len, scale, sliding_window, softcap, sinks,
+                                        k_scale, v_scale)
     return _prefill_attention_triton(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
         sliding_window, softcap, sinks, k_scale, v_scale,
     )
+
+
+def _invariant_extend_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
+                             max_context_len, scale, sliding_window, softcap, sinks, k_scale, v_scale):
+    """A step with extends, batch-invariant (``kernels.batch_invariant``): every row of a sequence
+    with at most ``SHORT_EXTEND_ROWS`` query rows becomes one decode work item (the sequence's block
+    table, ``context_len - (q_len - 1 - i)`` keys for its row i), so the split-KV decode kernel,
+    whose split count is fixed in this mode, computes it exactly as the decode step of that
+    position would; longer chunks (prefill) run the prefill kernel. No host sync: the short rows
+    of a mixed step are found on the device, at most ``T - max_query_len`` of them (the longest
+    chunk is not short) and at most ``SHORT_EXTEND_ROWS`` per other sequence."""
+    t, b, dev = q.shape[0], context_lens.shape[0], q.device
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)
+    row_ctx = (context_lens.long()[seq] - (cu[1:][seq] - 1 - torch.arange(t, device=dev))).to(torch.int32)
+
+    def decode_rows(rows, ctx):
+        return _paged_decode_attention_triton(
+            q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, seq[rows]), ctx,
+            max_context_len, scale, sliding_window, softcap, sinks, k_scale, v_scale)
+
+    if max_query_len <= SHORT_EXTEND_ROWS:
+        return decode_rows(torch.arange(t, device=dev), row_ctx)
+    out = _prefill_attention_triton(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
+        sliding_window, softcap, sinks, k_scale, v_scale,
+    )
+    n = min(t - max_query_len, SHORT_EXTEND_ROWS * (b - 1))
+    if n <= 0:
+        return out
+    short = (q_lens <= SHORT_EXTEND_ROWS)[seq]
+    rows = torch.argsort((~short).to(torch.int8), stable=True)[:n]  # every short row, then long ones
+    keep = short[rows]
+    dec = decode_rows(rows, torch.where(keep, row_ctx[rows], 0))  # a long row: no keys, dropped below
+    return out.index_copy_(0, rows, torch.where(keep[:, None, None], dec, out.index_select(0, rows)))
 
 
 @torch.library.custom_op("tokenfab::paged_attention", mutates_args=())

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 # isort: on
 
+from tokenfab.kernels.batch_invariant import batch_invariant
 from tokenfab.kernels.kv_cache import check_kv_dtypes
 from tokenfab.kernels.paged import (
     LOG2E,
@@ -151,12 +152,20 @@ def _decode_split_kernel(
 
 
 def decode_config(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int,
-                  num_sms: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+                  num_sms: int, dtype: torch.dtype = torch.bfloat16, invariant: bool | None = None) -> dict:
     """Launch configuration of paged decode attention (also used by the compile test).
 
     The number of splits depends only on the batch size, the kv heads and the device, never
     on the context lengths, so one CUDA graph per batch size serves every step.
+
+    ``invariant`` (None: ``kernels.batch_invariant``'s current mode): the split count is the one
+    a lone sequence gets, whatever the batch size, so a row's splits (its keys cut into
+    ``NUM_SPLITS`` shares by its own context length) and their merge are the same in any batch;
+    the verify rows of a speculative step, run as decode rows, then equal the decode step's rows.
+    Bigger batches pay more partial-softmax traffic for it (kernels/README.md).
     """
+    if invariant if invariant is not None else batch_invariant():
+        batch = 1
     group = n_q_heads // n_kv_heads
     block_d = max(16, next_pow2(head_dim))
     block_dv = max(16, next_pow2(head_dim_v))
