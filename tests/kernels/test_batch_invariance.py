@@ -12,7 +12,10 @@ other rows are computed with it:
   the packed GGUF kernel (default float32 activations and q8) and for the float32 row-invariant
   kernel that replaces MKL's sgemm in batch-invariant mode;
 - end to end: the bundled model's logits via decode steps vs one (k + 1)-token extend;
-- the Triton path (interpreter): not invariant yet, a strict xfail that documents the gap.
+- the Triton path (interpreter), in batch-invariant mode: the same attention property with extends run
+  as decode rows through the split-KV decode kernel (fixed split count), mixed batches, GQA/MQA/MHA,
+  window + softcap + sinks, float32 and bf16 (the Triton matmul and norm: test_matmul_invariant.py);
+- the switch belongs to the runner: a runner's mode holds for its own forwards only.
 
 Every comparison is ``torch.equal``: no tolerance.
 """
@@ -30,6 +33,7 @@ import torch
 
 from tests.kernels.test_attention import _batch, _sinks
 from tokenfab.kernels import attention
+from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.kernels.cpu import native_library
 from tokenfab.layers import linear as linear_mod
 
@@ -260,20 +264,102 @@ def test_portable_build_is_batch_invariant(tmp_path):
 
 
 # ---------------------------------------------------------------- the Triton path (interpreter on CPU)
+# In batch-invariant mode (the engine's runner with speculation; here ``batch_invariant_mode``) the
+# rows of an extend of <= 32 query rows run as decode rows through the split-KV decode kernel, whose
+# split count is then fixed (a lone sequence's), so a row's bits depend only on its own keys.
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="not batch-invariant yet: a verify runs the Triton "
-                   "prefill kernel, a decode step the split-KV decode kernel (another reduction order)")
-def test_triton_extend_rows_equal_decode_rows(gen, monkeypatch):
-    """Documents the known gap (strict: it fails the day the Triton path becomes invariant, so this
-    marker is then removed)."""
-    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    hq, hkv, d, n, length = 4, 2, 32, 3, 40
-    q, kc, vc, bt, _, _ = _batch([n], [length], hq, hkv, d, 16, torch.float32, gen, "cpu")
-    ext = torch.ops.tokenfab.paged_attention(q, kc, vc, bt, _cu([n]), torch.tensor([length], dtype=torch.int32),
-                                             n, length, d**-0.5)
+def _op(q, kc, vc, bt, q_lens, ctx_lens, scale, window=0, softcap=0.0, sinks=None):
+    """The engine's attention op (``tokenfab::paged_attention``), batch-invariant, Triton forced."""
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    with batch_invariant_mode(True):
+        return torch.ops.tokenfab.paged_attention(q, kc, vc, bt, _cu(q_lens), ctx, max(q_lens), max(ctx_lens),
+                                                  scale, window, softcap, sinks)
+
+
+def _check_triton_rows(q_lens, ctx_lens, target, hq, hkv, d, bs, dtype, window, softcap, use_sinks, gen):
+    """Sequence ``target`` of the batch is an extend; each of its rows must equal the decode row of
+    its position, with the batch as given, alone, and as rows of a batched decode step."""
+    scale = d**-0.5
+    sinks = _sinks(use_sinks, hq, gen, "cpu")
+    q, kc, vc, bt, _, _ = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, "cpu")
+    first, n, length = sum(q_lens[:target]), q_lens[target], ctx_lens[target]
+    mixed = _op(q, kc, vc, bt, q_lens, ctx_lens, scale, window, softcap, sinks)
+    alone = _op(q[first:first + n], kc, vc, bt[target:target + 1], [n], [length], scale, window, softcap, sinks)
+    # a decode step of n sequences (the target at each of its n positions) and another sequence's decode
+    other = 0 if target else 1
+    dq = torch.cat([q[first:first + n], q[sum(q_lens[:other]) + q_lens[other] - 1:][:1]])
+    dbt = torch.cat([bt[target:target + 1].expand(n, -1), bt[other:other + 1]])
+    dctx = [length - n + i + 1 for i in range(n)] + [ctx_lens[other]]
+    dec = _op(dq, kc, vc, dbt, [1] * (n + 1), dctx, scale, window, softcap, sinks)
+    for i in (0, n - 1):  # decode rows do not depend on the batch either
+        lone = _op(q[first + i:first + i + 1], kc, vc, bt[target:target + 1], [1], [dctx[i]], scale, window,
+                   softcap, sinks)
+        assert torch.equal(lone[0], dec[i]), f"decode row of context {dctx[i]} depends on the batch"
     for i in range(n):
-        ctx = length - n + i + 1
-        ctx_t = torch.tensor([ctx], dtype=torch.int32)
-        dec = torch.ops.tokenfab.paged_attention(q[i:i + 1], kc, vc, bt, _cu([1]), ctx_t, 1, ctx, d**-0.5)
-        assert torch.equal(ext[i], dec[0]), f"Triton extend row {i} != its decode row"
+        assert torch.equal(mixed[first + i], dec[i]), f"extend row {i} of {n} != decode row (context {dctx[i]})"
+        assert torch.equal(alone[i], dec[i]), f"lone extend row {i} of {n} != decode row (context {dctx[i]})"
+    # every row is right too (the reference), not merely consistent
+    ref = attention.paged_attention_ref(q, kc, vc, bt, _cu(q_lens), torch.tensor(ctx_lens, dtype=torch.int32),
+                                        max(q_lens), max(ctx_lens), scale, window, softcap, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(mixed.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_triton_extend_rows_equal_decode_rows(gen, monkeypatch):
+    """The smoke case (fast tier): a 5-row verify beside a decode and a 40-token prefill chunk (the
+    mixed path: prefill kernel + decode rows), GQA, float32."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    _check_triton_rows([1, 5, 40], [37, 70, 90], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, False, gen)
+
+
+TRITON_CASES = [
+    # Hq, Hkv, D, block size, window, softcap, sinks, dtype
+    (9, 3, 64, 16, 0, 0.0, False, torch.float32),  # the bundled model's shape (GQA 3)
+    (8, 2, 32, 16, 0, 0.0, False, torch.bfloat16),
+    (4, 1, 32, 32, 40, 30.0, True, torch.float32),  # MQA, sliding window, softcap, sinks
+    (6, 6, 40, 16, 0, 0.0, False, torch.bfloat16),  # MHA, head dim not a power of two
+]
+
+
+# (case, n_q): every case at k + 1 = 5; 2 rows and the 32-row limit on two cases (the interpreter is slow)
+TRITON_RUNS = [(c, 5) for c in TRITON_CASES] + [(TRITON_CASES[2], 2), (TRITON_CASES[1], 2), (TRITON_CASES[0], 32)]
+
+
+@pytest.mark.slow  # ~3 min in the interpreter
+@pytest.mark.parametrize("case,n_q", TRITON_RUNS, ids=[f"h{c[0]}-{c[1]}-d{c[2]}-w{c[4]}-{str(c[7])[6:]}-q{n}"
+                                                         for c, n in TRITON_RUNS])
+def test_triton_extend_rows_equal_decode_rows_all_cases(case, n_q, gen, monkeypatch):
+    """Mirrors the CPU test: contexts n (the extend is the whole sequence), 65, 300; the target
+    extend beside a decode, a prefill chunk of 40 and another extend (mixed path), and beside only
+    short sequences (every row a decode row)."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    hq, hkv, d, bs, window, softcap, use_sinks, dtype = case
+    for length in (n_q, 65, 300) if n_q < 32 else (65,):
+        _check_triton_rows([1, n_q, 40, 3], [37, length, 90, 20], 1, hq, hkv, d, bs, dtype, window, softcap,
+                           use_sinks, gen)
+        _check_triton_rows([3, 1, n_q], [20, 37, length], 2, hq, hkv, d, bs, dtype, window, softcap, use_sinks,
+                           gen)
+
+
+def test_triton_split_count_is_fixed_in_batch_invariant_mode():
+    """The decode kernel's split count: a lone sequence's for every batch size in the mode (so it is
+    the same for a decode step and the decode rows of a verify), chosen from the batch outside it."""
+    cfgs = [attention.decode_config(b, 32, 8, 128, 128, 132, invariant=True)["NUM_SPLITS"] for b in (1, 5, 64, 256)]
+    assert cfgs == [attention.decode_config(1, 32, 8, 128, 128, 132, invariant=False)["NUM_SPLITS"]] * 4
+    assert attention.decode_config(256, 32, 8, 128, 128, 132, invariant=False)["NUM_SPLITS"] < cfgs[0]
+    with batch_invariant_mode(True):
+        assert attention.decode_config(64, 32, 8, 128, 128, 132)["NUM_SPLITS"] == cfgs[0]
+
+
+@pytest.mark.slow  # a few seconds: 8 and 32 splits in the interpreter
+@pytest.mark.parametrize("sms", [2, 8])
+def test_triton_rows_with_device_split_counts(sms, gen, monkeypatch):
+    """With the split counts a GPU gets (here 2 / 8 SMs: 8 / 32 splits for 2 kv heads), including
+    mostly empty splits and sinks merged by the reduce kernel."""
+    from tokenfab.kernels import attention_decode
+
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    monkeypatch.setattr(attention_decode, "num_sms", lambda dev: sms)
+    _check_triton_rows([1, 5, 40], [37, 200, 90], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, True, gen)
+    _check_triton_rows([2, 4], [30, 100], 1, 4, 2, 32, 16, torch.bfloat16, 64, 20.0, False, gen)
