@@ -13,7 +13,6 @@ plan``'s TP figure. Slow tier: each case spawns 2-4 interpreters on a 2-core mac
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.distributed.launch import run_ranks
 from tests.tiny_models import run_batch, save_tiny_model, tiny_config

@@ -85,6 +85,10 @@ def _plan_swaps(model: nn.Module, ckpt: GGUFCheckpoint, act: str) -> dict[str, _
         else:
             continue
         n, k = mod.weight.shape
+        split = mod.tp_split
+        if k % 32 and split is not None and split.dim == 1 and split.full[0] % 32 == 0:
+            raise ModelLoadError(ckpt.path, f"{weight}: tensor parallel size {split.size} splits its {split.full[0]} "
+                                 f"input columns into {k} per rank, which are not whole 32-element {qtype} blocks")
         if k % 32:
             continue
         rows = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8)
