@@ -150,3 +150,15 @@ def test_fp8_channel_and_int4_shards(tmp_path, monkeypatch):
     write_int4_ct_checkpoint(tmp_path / "src", tmp_path / "int4", ignore=["lm_head"])
     assert "FP8Linear" in check_shards(tmp_path / "ct", 2, monkeypatch)
     assert "W4Linear" in check_shards(tmp_path / "int4", 2, monkeypatch)
+
+
+def test_gpt_oss_sinks_split_with_heads(tmp_path, monkeypatch):
+    from tests.moe_tiny_models import tiny_moe_config
+
+    save_tiny_model(tiny_moe_config("gpt_oss"), tmp_path)
+    full = _load(tmp_path, monkeypatch)
+    ranks = [_load(tmp_path, monkeypatch, r, 2) for r in range(2)]
+    for i, layer in enumerate(full.model.layers):
+        sinks = [m.model.layers[i].self_attn.attn.sinks for m in ranks]
+        assert sinks[0].numel() == layer.self_attn.attn.num_heads // 2
+        torch.testing.assert_close(torch.cat(sinks), layer.self_attn.attn.sinks, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from torch import nn
 
 from tokenfab.layers.attention import Attention
 from tokenfab.layers.moe import FusedMoE, load_moe_tensor
+from tokenfab.layers.tp_split import heads_split
 from tokenfab.models.llama import DecoderLayer, LlamaAttention, layer_sliding_window
 from tokenfab.models.mixtral import MoECausalLM
 
@@ -81,6 +82,8 @@ class GptOssAttention(LlamaAttention):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
             sliding_window=layer_sliding_window(config, layer_idx), use_sinks=True,
         )
+        # tensor parallel: one sink per query head, split with the heads (None at TP 1)
+        self.attn.tp_split = heads_split(config.num_attention_heads)
 
 
 _EXPERTS = re.compile(
