@@ -381,3 +381,26 @@ def test_fp8_kv_kernels_compile_for_hopper(tmp_path):
                 assert r["hgmma"] > 0, r
             elif r["kernel"] in ("_decode_split_kernel", "_mla_split_kernel", "_dsa_sparse_split_kernel"):
                 assert r["hmma"] + r["hgmma"] > 0, r
+
+
+@pytest.mark.slow
+def test_fp8_ops_opcheck(gen):
+    """torch.library.opcheck of the ops with fp8 caches and scales: fake impls and AOT dispatch (what
+    torch.compile traces). Not its schema check: that compares fp8 tensors with allclose, which torch does
+    not implement for fp8. Slow tier (~15 s, mostly opcheck's own imports and AOT tracing); the fast tests
+    above run the fakes under FakeTensorMode."""
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    q, kc, vc, k8, v8, ks, vs, bt, cu, ctx = _fp8_batch([1, 5], [9, 20], 4, 2, 32, 16, torch.float32, gen, "cpu")
+    torch.library.opcheck(torch.ops.tokenfab.paged_attention.default,
+                          (q, k8, v8, bt, cu, ctx, 5, 20, 0.2, 0, 0.0, None, ks, vs), test_utils=utils)
+    k = torch.randn(3, 2, 32, generator=gen)
+    torch.library.opcheck(torch.ops.tokenfab.store_kv.default,
+                          (k, k, k8.clone(), v8.clone(), torch.tensor([0, -1, 7]), ks, vs), test_utils=utils)
+    q, cache, c8, s, bt, cu, ctx = _mla_fp8([1, 3], [5, 9], 2, 32, 16, 16, torch.float32, gen, "cpu")
+    torch.library.opcheck(torch.ops.tokenfab.mla_attention.default, (q, c8, bt, cu, ctx, 3, 9, 0.2, 32, s),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.tokenfab.dsa_sparse_attention.default,
+                          (q, c8, bt, cu, ctx, _indices(cu, ctx, 4, gen), 0.2, 32, s), test_utils=utils)
+    torch.library.opcheck(torch.ops.tokenfab.store_latent.default,
+                          (torch.randn(2, 32), torch.randn(2, 16), c8.clone(), torch.tensor([0, 1]), s),
+                          test_utils=utils)
