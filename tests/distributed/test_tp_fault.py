@@ -1,0 +1,92 @@
+"""`tokenfab serve --tensor-parallel-size 3` on the bundled model (9 query / 3 KV heads), as a user
+runs it: the engine core is rank 0 and spawns two worker ranks. Its streamed and non-streamed
+greedy answers equal the one-process engine's; then one worker is SIGKILLed mid-request: the
+stream in flight ends with an error within seconds, /health fails and later requests get 503 with
+a message naming the dead worker; SIGTERM still drains and exits. Slow tier (three model loads)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.test_cli_server import API_KEY, ServeProcess
+from tokenfab import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids]
+
+
+def _worker_pids(core: int) -> list[int]:
+    return [p for p in _children(core) if b"tokenfab.engine.tp_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _complete(c: httpx.Client, prompt: str, stream: bool) -> str:
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "stream": stream}
+    if not stream:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_tp3_serve_matches_one_process_then_a_killed_worker_gives_503():
+    llm = LLM(max_model_len=256)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))]
+    del llm
+    server = ServeProcess("--tensor-parallel-size", "3", "--max-model-len", "256", "--no-access-log")
+    try:
+        core = int(re.search(r"engine core pid (\d+)", server.output).group(1))
+        workers = _worker_pids(core)
+        assert len(workers) == 2
+        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as c:
+            for stream in (False, True):
+                assert [_complete(c, p, stream) for p in PROMPTS] == expected
+            body = {"prompt": "Write a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                for line in lines:  # the first token
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                        break
+                t0 = time.monotonic()
+                os.kill(workers[1], signal.SIGKILL)
+                rest = list(lines)  # ends: no hang
+                ended = time.monotonic() - t0
+        assert ended < 15
+        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        assert errors and errors[-1]["error"]["code"] == "service_unavailable"
+        h = httpx.get(f"{server.url}/health")
+        assert h.status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", headers=HEADERS, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503
+        assert "tensor-parallel worker" in r.json()["error"]["message"], r.json()
+        assert time.monotonic() - t0 < 20
+        # the engine core and the other worker are gone, not left hanging
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in (core, workers[0])):
+            time.sleep(0.2)
+        for pid in (core, workers[0]):
+            assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        server.proc.send_signal(signal.SIGTERM)  # the API server still shuts down cleanly
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
