@@ -14,6 +14,7 @@
 #   kernel_benchmarks  `tokenfab bench kernels` (fractions of the roofline, goals)
 #   mla_benchmarks     MLA / DSA kernels at DeepSeek-V3 / V3.2 sizes
 #   end_to_end         `tokenfab bench engine` (random Qwen3-0.6B shape; graphs vs eager vs transformers)
+#   overlap            `tokenfab bench overlap`: device time between decode steps, --async-scheduling off/on
 #   c_kernels          the native CPU kernels' tests; skipped, with the reason, without a C compiler;
 #                      optional (CI runs them on CPU): neither a failure nor a lack of time fails the verdict
 # then a verdict (pass / fail) and $OUT/gpu_check.log. The whole stays inside GPU_CHECK_BUDGET_S
@@ -43,7 +44,7 @@ WARMUP_TESTS="${WARMUP_TESTS:-tests/kernels/test_norm.py tests/kernels/test_rope
 C_KERNEL_TESTS="tests/kernels/test_cpu_native.py tests/kernels/test_cpu_native_checks.py"
 XDIST_N="${XDIST_N:-8}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-465}"
-SECTIONS="${GPU_CHECK_SECTIONS:-warmup engine_correctness kernel_tests kernel_benchmarks mla_benchmarks end_to_end c_kernels}"
+SECTIONS="${GPU_CHECK_SECTIONS:-warmup engine_correctness kernel_tests kernel_benchmarks mla_benchmarks end_to_end overlap c_kernels}"
 OPTIONAL_SECTIONS="c_kernels"  # reported, but outside the verdict
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     export TRITON_INTERPRET=0  # compiled kernels
@@ -150,6 +151,8 @@ run_section end_to_end 100 "$PY" -m tokenfab bench engine --shape qwen3-0.6b --n
     --output-len 128 --decode-tokens 256 --hf-batch-sizes 64,all --same-process \
     --json "$WORK/end_to_end.json" --markdown "$WORK/end_to_end.md"
 # ====== END end-to-end engine benchmark =======================================================
+
+run_section overlap 90 "$PY" -m tokenfab bench overlap --shape "$([ "$ON_GPU" = 1 ] && echo qwen3-0.6b || echo tiny)" --batch-sizes 1,16 --input-len 32 --output-len 48 --rounds 2 --json "$WORK/overlap.json" --markdown "$WORK/overlap.md"
 
 # ------------------------------------------------------------------ native CPU kernels (C compiler; last: CI covers them on CPU, optional here)
 if wanted c_kernels; then

@@ -25,6 +25,7 @@ BENCH_COMMANDS = {
     "ggml": ("tokenfab.bench.ggml", "packed GGUF matmul kernels (CPU) vs float32 torch, weight GB/s"),
     "train-kernels": ("tokenfab.bench.train_kernels", "RMSNorm/RoPE/SiLU training kernels fwd+bwd vs HF ops"),
     "spec": ("tokenfab.bench.spec", "speculative decoding on vs off: tokens/s, acceptance (bundled model)"),
+    "overlap": ("tokenfab.bench.overlap", "device time between decode steps with vs without --async-scheduling"),
 }
 
 
