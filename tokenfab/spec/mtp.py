@@ -63,7 +63,7 @@ class DeepseekMTPLayer(DecoderLayer):
             mlp: nn.Module = make_deepseek_moe(config)
         else:
             mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        super().__init__(config, make_mla(config, max_position), mlp)
+        super().__init__(config, _attention(config, max_position), mlp)
         self.config = config
         h = config.hidden_size
         self.embed_tokens = VocabEmbedding(config.vocab_size, h)
@@ -94,6 +94,28 @@ class DeepseekMTPLayer(DecoderLayer):
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
         return load_expert_checkpoint_tensor(self, name, tensor)
+
+
+def _attention(config: Any, max_position: int) -> nn.Module:
+    """MLA, or for DSA targets (DeepSeek-V3.2, GLM-MoE-DSA: ``index_topk`` in the config) MLA with
+    its own lightning indexer, as the target's "full" layers have (GLM's indexer rope is interleaved)."""
+    if not getattr(config, "index_topk", None):
+        return make_mla(config, max_position)
+    from tokenfab.layers.dsa import LightningIndexer, SparseLatentAttention
+    from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
+    from tokenfab.models.deepseek_v3 import mla_softmax_scale
+
+    params, rope_dim = rope_parameters(config), config.qk_rope_head_dim
+    interleaved = getattr(config, "model_type", "") == "glm_moe_dsa"
+    rotary = RotaryEmbedding(rope_dim, max_position, params, config.max_position_embeddings, is_neox=not interleaved)
+    indexer = LightningIndexer(config.hidden_size, config.q_lora_rank, config.index_n_heads, config.index_head_dim,
+                               rotary, config.index_topk)
+    mla_rotary = RotaryEmbedding(rope_dim, max_position, params, config.max_position_embeddings, is_neox=False)
+    return SparseLatentAttention(
+        config.hidden_size, config.num_attention_heads, config.q_lora_rank, config.kv_lora_rank,
+        config.qk_nope_head_dim, rope_dim, config.v_head_dim, mla_softmax_scale(config), mla_rotary,
+        bias=bool(getattr(config, "attention_bias", False)), indexer=indexer, index_head_dim=config.index_head_dim,
+    )
 
 
 def num_mtp_layers(config: Any) -> int:
