@@ -43,6 +43,7 @@ def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS
         tokens, _, batches = run_batch(engine, prompts, max_tokens, arrivals, logprobs=0)
     finally:
         ps.set_comm_counter(None)
+    sampled = _seeded(engine, prompts[2:])
     num_tokens = sum(int(b.input_ids.numel()) for b in batches)
     split = sorted({type(m).__name__ for m in engine.model.modules() if getattr(m, "tp_split", None) is not None})
     from tokenfab.layers.mla import MLAAttention
@@ -51,6 +52,7 @@ def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS
         "split_layers": split,
         "mla_heads": sorted({m.num_heads for m in engine.model.modules() if isinstance(m, MLAAttention)}),
         "tokens": tokens,
+        "sampled": sampled,
         "preemptions": engine.scheduler.num_preemptions_total,
         "prefix_hits": engine.block_manager.prefix_hits,
         "chunked": any(int((b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).max()) < n
@@ -59,6 +61,22 @@ def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS
         "num_tokens": num_tokens,
         "num_steps": len(batches),
     }
+
+
+def _seeded(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Seeded sampled generations (temperature 0.9, top-p 0.95): the same seeds draw the same tokens
+    on every rank, whose logits are the same all-gathered vector."""
+    from tokenfab.engine.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"seeded-{i}", list(p), SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i,
+                                                                  max_tokens=8, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[f"seeded-{i}"] for i in range(len(prompts))]
 
 
 def _rank(rank: int, tp: int, model: str, engine_kwargs: dict) -> dict:
@@ -75,6 +93,8 @@ def check_tp(model: str, tp: int, engine_kwargs: dict = ENGINE, layers: set[str]
     results = run_ranks(_rank, tp, tp, model, engine_kwargs)
     for rank, r in enumerate(results):
         assert r["tokens"] == ref["tokens"], f"rank {rank} of TP {tp}"
+        assert r["sampled"] == results[0]["sampled"], f"rank {rank} sampled other tokens than rank 0"
+        assert r["sampled"] == ref["sampled"], f"rank {rank} of TP {tp}: seeded samples"
         assert (r["preemptions"], r["prefix_hits"]) == (ref["preemptions"], ref["prefix_hits"])
         assert layers <= set(r["split_layers"]), r["split_layers"]
         assert r["comm"] == results[0]["comm"] and r["comm"]
@@ -95,12 +115,14 @@ def tiny_qwen3(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_llama_tp2(tiny_llama):
-    check_tp(tiny_llama, 2, layers={"Linear", "MergedLinear", "VocabEmbedding", "LMHead"})
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama(tiny_llama, tp):
+    check_tp(tiny_llama, tp, layers={"Linear", "MergedLinear", "VocabEmbedding", "LMHead"})
 
 
-def test_qwen3_tp4_replicated_kv_heads(tiny_qwen3):
-    check_tp(tiny_qwen3, 4)  # 4 query heads, 2 KV heads: ranks 0,1 hold KV head 0, ranks 2,3 head 1
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qwen3(tiny_qwen3, tp):
+    check_tp(tiny_qwen3, tp)  # TP 4 > 2 KV heads: ranks 0,1 hold KV head 0, ranks 2,3 head 1
 
 
 def test_bundled_gguf_tp3():
