@@ -10,6 +10,12 @@ report says whether they did):
 At batch 1 and 16 (``--batch-sizes``), each case runs speculation off and on in interleaved rounds
 (``--rounds``; the best round counts: these machines are shared), and reports output tokens/s, the
 ratio on/off, the acceptance rate and mean accepted length, and draft / verify time.
+
+Every method of ``--speculative-config`` runs ("ngram", "suffix", "draft_model", "eagle3", "mtp").
+"Off" is the same engine with its speculative decoder detached. A draft model / head keeps its
+cache in step with the target's only while attached, so for those methods the engine runs without
+prefix caching (both sides: an "on" round would otherwise reuse blocks whose draft K/V an "off"
+round never wrote).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ QUESTIONS = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                   help='vLLM\'s JSON, e.g. \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="interleaved off/on rounds; the best counts")
@@ -82,14 +89,19 @@ def _timed(llm, prompts, params, spec) -> tuple[float, list[list[int]], dict]:
 
 def run(args: argparse.Namespace) -> int:
     from tokenfab import LLM, SamplingParams
+    from tokenfab.spec.config import SpeculativeConfig
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
+    cfg = SpeculativeConfig.parse(args.speculative_config)
+    model_based = cfg is not None and cfg.method in ("draft_model", "eagle3", "mtp")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
+              enable_prefix_caching=not model_based)
     spec = llm.engine.spec
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     _timed(llm, _prompts(llm, "chat", 2), SamplingParams(temperature=0, max_tokens=8), None)  # warm up
     report = {"benchmark": "spec", "machine": machine(), "commit": git_commit(), "dirty": git_dirty(),
               "load_average_start": load_average(), "model": args.model or "bundled",
-              "speculative_config": args.speculative_config, "max_tokens": args.max_tokens, "results": []}
+              "speculative_config": args.speculative_config, "max_tokens": args.max_tokens,
+              "prefix_caching": not model_based, "results": []}
     rows = []
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batch_sizes.split(",")):

@@ -91,8 +91,8 @@ class EngineArgs:
         parser.add_argument("--speculative-config", default=None,
                             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
-                            "(methods: ngram, suffix; outputs are unchanged: greedy bit for bit, sampled in "
-                            "distribution)")
+                            "(methods: ngram, suffix, draft_model, eagle3, mtp; outputs are unchanged: greedy bit "
+                            "for bit, sampled in distribution)")
 
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                             help="shard the model over N ranks (this node: N-1 worker processes are spawned; "
