@@ -363,3 +363,62 @@ def test_triton_rows_with_device_split_counts(sms, gen, monkeypatch):
     monkeypatch.setattr(attention_decode, "num_sms", lambda dev: sms)
     _check_triton_rows([1, 5, 40], [37, 200, 90], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, True, gen)
     _check_triton_rows([2, 4], [30, 100], 1, 4, 2, 32, 16, torch.bfloat16, 64, 20.0, False, gen)
+
+
+# ---------------------------------------------------------------- the switch belongs to the runner
+
+
+class _ProbeModel(torch.nn.Module):
+    """Records the batch-invariant mode its forward runs under; optionally waits on an event there."""
+
+    def __init__(self, inside=None, release=None):
+        super().__init__()
+        self.seen, self.inside, self.release = [], inside, release
+
+    def forward(self, batch):
+        self.seen.append(linear_mod.batch_invariant())
+        if self.inside is not None:
+            self.inside.set()
+            assert self.release.wait(10)
+            self.seen.append(linear_mod.batch_invariant())
+        return torch.zeros(1, 2)
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def _probe_runner(model, mode):
+    from tokenfab.engine.model_runner import ModelRunner
+
+    runner = object.__new__(ModelRunner)  # the forward path only: no cache needed
+    runner.model, runner.batch_invariant = model, mode
+    return runner
+
+
+def test_batch_invariant_mode_is_the_runners_own():
+    """A runner's ``batch_invariant`` holds inside its own forwards only (None: the caller's mode),
+    so two engines in one process do not change each other's numerics, even while both run at once
+    in two threads (the engine's step thread)."""
+    import threading
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(logits_indices=torch.zeros(1, dtype=torch.long))
+    assert not linear_mod.batch_invariant()
+    inside, release = threading.Event(), threading.Event()
+    spec = _probe_runner(_ProbeModel(inside, release), True)  # an engine with speculation
+    plain, inherit = _probe_runner(_ProbeModel(), False), _probe_runner(_ProbeModel(), None)
+    worker = threading.Thread(target=spec.forward_logits, args=(batch,))
+    worker.start()
+    assert inside.wait(10)  # the speculative engine is inside its forward, in its thread
+    plain.forward_logits(batch)
+    inherit.forward_logits(batch)
+    with batch_invariant_mode(True):
+        plain.forward_logits(batch)
+        inherit.forward_logits(batch)
+        assert linear_mod.batch_invariant()
+    release.set()
+    worker.join(10)
+    assert spec.model.seen == [True, True]
+    assert plain.model.seen == [False, False]
+    assert inherit.model.seen == [False, True]
+    assert not linear_mod.batch_invariant()  # nothing leaked into the process
