@@ -39,6 +39,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels.batch_invariant import batch_invariant
 from tokenfab.kernels.kv_cache import check_fp8_scales, dequantize_fp8_ref, is_fp8, quantize_fp8_ref
 from tokenfab.kernels.paged import (
     LOG2E,
@@ -228,7 +229,8 @@ def _mla_split_kernel(
 
 
 def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, num_sms: int,
-               dtype: torch.dtype = torch.bfloat16, decode_only: bool = True, kv_fp8: bool = False) -> dict:
+               dtype: torch.dtype = torch.bfloat16, decode_only: bool = True, kv_fp8: bool = False,
+               invariant: bool | None = None) -> dict:
     """Launch configuration of MLA attention (also used by the compile test).
 
     BLOCK_H heads share each latent tile; programs of the same token and split are adjacent in
@@ -244,7 +246,14 @@ def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int
     the latent tile to bf16 in registers on its way to shared memory spilled the 64-head tile at sm_90 at
     every stage count (264-272 bytes), the 32-head one fits (253 registers); its L2 re-reads of a page
     (four) move the same bytes as bf16's two, the rows being half as wide.
+
+    ``invariant`` (None: ``kernels.batch_invariant``'s current mode): a lone token's split count and
+    the mixed-batch tiles for every call, so a token's splits, tile shapes and merge, hence its bits,
+    are the same in a decode step and as a verify row of a mixed step (MTP / speculative verify);
+    16-bit decode with 64+ heads then gives up its 64-head tiles.
     """
+    if invariant if invariant is not None else batch_invariant():
+        num_tokens, decode_only = 1, False
     fp32 = dtype == torch.float32
     if fp32:
         block_h, block_n, warps = 16, 16, 4
