@@ -307,10 +307,10 @@ def _check_triton_rows(q_lens, ctx_lens, target, hq, hkv, d, bs, dtype, window, 
 
 
 def test_triton_extend_rows_equal_decode_rows(gen, monkeypatch):
-    """The smoke case (fast tier): a 5-row verify beside a decode and a 40-token prefill chunk (the
+    """The smoke case (fast tier): a 5-row verify beside a decode and a 33-token prefill chunk (the
     mixed path: prefill kernel + decode rows), GQA, float32."""
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    _check_triton_rows([1, 5, 40], [37, 70, 90], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, False, gen)
+    _check_triton_rows([1, 5, 33], [20, 40, 33], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, False, gen)
 
 
 TRITON_CASES = [
@@ -363,6 +363,41 @@ def test_triton_rows_with_device_split_counts(sms, gen, monkeypatch):
     monkeypatch.setattr(attention_decode, "num_sms", lambda dev: sms)
     _check_triton_rows([1, 5, 40], [37, 200, 90], 1, 4, 2, 32, 16, torch.float32, 0, 0.0, True, gen)
     _check_triton_rows([2, 4], [30, 100], 1, 4, 2, 32, 16, torch.bfloat16, 64, 20.0, False, gen)
+
+
+@pytest.mark.slow  # ~10 s each in the interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mla_verify_rows_equal_decode_rows(dtype, gen, monkeypatch):
+    """MLA (DeepSeek MTP verify rows): a 3-row verify beside a decode and a prefill chunk equals
+    the decode rows of its positions. The split count otherwise depends on the number of tokens
+    (here 4 SMs: 4 splits for a 4-token decode step, 1 for the 14-token mixed step; 16 in the mode)."""
+    from tests.kernels.test_mla import _batch as _mla_batch
+    from tokenfab.kernels import mla
+
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    monkeypatch.setattr(mla, "num_sms", lambda dev: 4)
+    h, r, rope, n = 4, 32, 16, 3
+    q_lens, ctx_lens = [1, n, 10], [30, 75, 40]
+    q, cache, bt, cu, ctx = _mla_batch(q_lens, ctx_lens, h, r, rope, 16, dtype, gen, "cpu")
+    scale = (r + rope) ** -0.5
+
+    def op(q, bt, q_lens, ctx_lens):
+        with batch_invariant_mode(True):
+            ctx_t = torch.tensor(ctx_lens, dtype=torch.int32)
+            return torch.ops.tokenfab.mla_attention(q, cache, bt, _cu(q_lens), ctx_t, max(q_lens), max(ctx_lens),
+                                                    scale, r)
+
+    mixed = op(q, bt, q_lens, ctx_lens)
+    dctx = [75 - n + i + 1 for i in range(n)] + [30]
+    dec = op(torch.cat([q[1:1 + n], q[0:1]]), torch.cat([bt[1:2].expand(n, -1), bt[0:1]]), [1] * (n + 1), dctx)
+    lone = op(q[1:2], bt[1:2], [1], dctx[:1])
+    assert torch.equal(lone[0], dec[0]), "MLA decode row depends on the batch"
+    for i in range(n):
+        assert torch.equal(mixed[1 + i], dec[i]), f"MLA verify row {i} != decode row (context {dctx[i]})"
+    assert torch.equal(mixed[0], dec[n])
+    ref = mla.mla_attention_ref(q, cache, bt, cu, ctx, max(q_lens), max(ctx_lens), scale, r)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(mixed.float(), ref.float(), atol=tol, rtol=tol)
 
 
 # ---------------------------------------------------------------- the switch belongs to the runner
