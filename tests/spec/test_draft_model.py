@@ -62,7 +62,7 @@ def test_tiny_self_draft_identical_and_fully_accepted(tiny_llama):
 
 
 @pytest.mark.slow
-def test_tiny_self_draft_prefix_chunked_preempted(tiny_llama):
+def test_tiny_self_draft_prefix_chunked_preempted_overlap(tiny_llama):
     plain = plain_llm(tiny_llama, block_size=4, num_kv_blocks=128)
     spec = LLM(model=tiny_llama, block_size=4, num_kv_blocks=128, speculative_config=draft_config(tiny_llama))
     tight = LLM(model=tiny_llama, block_size=4, num_kv_blocks=20, max_num_batched_tokens=16,
@@ -70,6 +70,11 @@ def test_tiny_self_draft_prefix_chunked_preempted(tiny_llama):
     check_greedy_identity(plain, spec, tight, random_prompts(320), 24)
     assert_full_acceptance(spec)
     assert_full_acceptance(tight)
+    # overlap scheduling: every step with a draft module runs synchronously, same tokens
+    overlap = LLM(model=tiny_llama, block_size=4, num_kv_blocks=128, async_scheduling=True,
+                  speculative_config=draft_config(tiny_llama))
+    assert outputs(overlap, random_prompts(320), 24) == outputs(plain, random_prompts(320), 24)
+    assert_full_acceptance(overlap)
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):

@@ -142,8 +142,8 @@ class SpecDecoder:
     def would_speculate(self, running: list[Sequence]) -> bool:
         """Cheap pre-check (no tokens read): must this step take the synchronous speculative path?
         Model-based proposers always do: their caches follow every target forward."""
-        if self.model_based:
-            return bool(running)
+        if self.model_based:  # every forward, prefills included (waiting requests are admitted this step)
+            return bool(running) or bool(self.engine.scheduler.waiting)
         return self._may_draft(running)
 
     def _may_draft(self, running: list[Sequence]) -> bool:
@@ -197,8 +197,13 @@ class SpecDecoder:
             return
         t0 = time.perf_counter()
         ks = [len(s.spec_token_ids) for s in seqs]
-        with batch_invariant_mode(True):  # a self-draft's rows round as the target's decode rows do
-            drafts, qs = self.proposer.draft(seqs, ks)
+        try:
+            with batch_invariant_mode(True):  # a self-draft's rows round as the target's decode rows do
+                drafts, qs = self.proposer.draft(seqs, ks)
+        except Exception as e:  # a draft is only a guess: verify placeholders (the last token) instead
+            self.engine._raise_if_fatal(e)
+            log.warning("drafting for %d sequences failed (%r); their drafts are placeholders", len(seqs), e)
+            drafts, qs = [[s.token_ids[-1]] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
         for s, k, d, q in zip(seqs, ks, drafts, qs):
             if not k:
                 continue
