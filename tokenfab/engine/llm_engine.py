@@ -48,6 +48,11 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
         self.args = args
         self.scheduling_policy = args.scheduling_policy
+        self.tp = None  # tensor parallel: rank 0's handle on the worker ranks (engine/tp_executor.py)
+        if args.tensor_parallel_size != 1:
+            from tokenfab.engine.tp_executor import start_tensor_parallel
+
+            self.tp = start_tensor_parallel(args)  # before the load: layers shard at build time
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         t0 = time.perf_counter()
@@ -72,7 +77,7 @@ class LLMEngine:
 
             self.spec = SpecDecoder(spec_config, self)
         num_blocks = self._kv_blocks(args)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, args.block_size, num_blocks)
+        self.runner = self._make_runner(args.block_size, num_blocks)
         if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
             self.runner.batch_invariant = True
             self.spec.bind_cache(args.block_size, num_blocks)  # the draft's cache: the target's blocks
@@ -98,6 +103,18 @@ class LLMEngine:
             self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
             args.block_size, self.kv_cache_tokens,
         )
+
+    def _make_runner(self, block_size: int, num_blocks: int) -> ModelRunner:
+        """The runner; under tensor parallelism one whose forwards the workers mirror (its twin
+        there gets the same cache layout)."""
+        if self.tp is not None:
+            return self.tp.make_runner(self.model, self.device, self.dtype, block_size, num_blocks)
+        return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine serves nothing after this."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ---- memory budget --------------------------------------------------------------
     def _kv_blocks(self, args: EngineArgs) -> int:
@@ -126,7 +143,7 @@ class LLMEngine:
         """A fraction of the GPU's memory, less weights and the measured activation peak of a
         forward over the largest chunk (run once against a small throwaway cache)."""
         n = min(args.max_num_batched_tokens, self.max_model_len - 1)
-        probe = ModelRunner(self.model, self.device, self.dtype, args.block_size, -(-n // args.block_size))
+        probe = self._make_runner(args.block_size, -(-n // args.block_size))
         seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1), 0)
         seq.block_table = list(range(probe.num_blocks))
         torch.cuda.synchronize(self.device)

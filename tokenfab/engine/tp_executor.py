@@ -84,9 +84,10 @@ class TPGroup:
 
 
 def join_group(rank: int, world: int, init_method: str | None, device: torch.device,
-               store: Any = None) -> TPGroup:
+               store: Any = None, expert_parallel: bool = False) -> TPGroup:
     """Join the default group and make the TP groups current (the same calls, in the same order,
-    on every rank). ``store``: a ready ``TCPStore`` instead of ``init_method``."""
+    on every rank). ``store``: a ready ``TCPStore`` instead of ``init_method``; ``expert_parallel``:
+    also the EP group (``--enable-expert-parallel``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if store is not None:
@@ -95,6 +96,10 @@ def join_group(rank: int, world: int, init_method: str | None, device: torch.dev
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                     timeout=collective_timeout())
     state = init_parallel(world)
+    if expert_parallel:
+        from tokenfab.distributed import parallel_state
+
+        parallel_state.init_expert_parallel(True)
     cmd = dist.new_group(list(range(world)), backend="gloo", timeout=_IDLE_TIMEOUT)
     return TPGroup(dist.get_rank(), world, device, cmd, state.tp_group)
 
@@ -157,6 +162,12 @@ def start_tensor_parallel(args: Any) -> TPExecutor:
     tp = args.tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    from tokenfab.spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is not None and spec.method not in ("ngram", "suffix"):  # their draft modules run on rank 0 only
+        raise ValueError(f"speculative_config: method {spec.method!r} does not run under tensor parallelism yet "
+                         "(ngram and suffix do)")
     executor = TPExecutor.start(args)
     atexit.register(executor.shutdown)
     return executor
@@ -198,7 +209,7 @@ class TPExecutor:
                 raise ValueError(f"--tensor-parallel-size {tp} must equal torchrun's world size {world}")
             if rank != 0:
                 raise RuntimeError("only rank 0 builds the engine; other ranks run the worker loop")
-            return cls(join_group(0, world, "env://", device), [])
+            return cls(join_group(0, world, "env://", device, expert_parallel=args.enable_expert_parallel), [])
         # our own spawner: a TCPStore on a free loopback port, the workers as `python -m
         # tokenfab.engine.tp_worker` (no re-import of the caller's __main__); a worker that dies
         # before the group forms fails the start at once instead of at the rendezvous timeout
@@ -222,7 +233,7 @@ class TPExecutor:
                 if time.monotonic() > deadline:
                     raise RuntimeError("tensor-parallel workers did not join in time")
                 time.sleep(0.05)
-            group = join_group(0, tp, None, device, store=store)
+            group = join_group(0, tp, None, device, store=store, expert_parallel=args.enable_expert_parallel)
         except BaseException:
             for p in procs:
                 if p.poll() is None:
@@ -264,7 +275,10 @@ class TPExecutor:
     def _dead_error(self, error: BaseException) -> EngineDeadError:
         if isinstance(error, EngineDeadError):
             return error
-        why = self.dead or f"a tensor-parallel collective failed: {error}"
+        if self.dead is None and self._watcher is not None:  # a worker's death is the likely cause: name it
+            select.select([self._death_r], [], [], 2.0)
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else repr(error)
+        why = self.dead or f"a tensor-parallel step failed (a worker crashed, hung or failed): {first}"
         self._mark_dead(why)
         return EngineDeadError(why)
 
@@ -345,11 +359,14 @@ class TPRunner:
     first. Everything else (``prepare``, the cache, ...) is the local runner's."""
 
     def __init__(self, executor: TPExecutor, runner: ModelRunner) -> None:
-        self.executor = executor
-        self.runner = runner
+        object.__setattr__(self, "executor", executor)
+        object.__setattr__(self, "runner", runner)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # settings (batch_invariant, ...) are the runner's
+        setattr(self.runner, name, value)
 
     def prepare(self, *args: Any, **kwargs: Any) -> ForwardBatch:
         return self.runner.prepare(*args, **kwargs)

@@ -47,10 +47,6 @@ class TPWorker:
         self.group = group
         self.device = group.device
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if args.speculative_config is not None:  # rank 0's linears round batch-invariantly: so do ours
-            from tokenfab.layers.linear import set_batch_invariant
-
-            set_batch_invariant(True)
         self.model = load_model(args.model, self.dtype, self.device, args.max_model_len,
                                 quantization=args.quantization).model
         if self.device.type == "cpu":
@@ -77,6 +73,8 @@ class TPWorker:
             elif cmd == CMD_RUNNER:
                 self.runner = None  # the previous (profiling) cache goes first
                 self.runner = ModelRunner(self.model, self.device, DTYPES[h[3]], h[1], h[2])
+                if self.args.speculative_config is not None:  # as rank 0's: verify rows round as decode rows
+                    self.runner.batch_invariant = True
             elif cmd == CMD_CAPTURE:
                 self.runner.capture_decode_graphs(h[1], h[2])
             elif cmd == CMD_STOP:
@@ -104,7 +102,7 @@ def run_worker(args: Any, rank: int, world: int, init_method: str | None, local_
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    group = join_group(rank, world, init_method, device, store=store)
+    group = join_group(rank, world, init_method, device, store=store, expert_parallel=args.enable_expert_parallel)
     try:
         worker = TPWorker(args, group)
         worker.loop()
