@@ -152,3 +152,19 @@ def test_fp8_block_checkpoint_tp2(tmp_path):
     save_tiny_model(config, tmp_path / "src")
     write_fp8_block_checkpoint(tmp_path / "src", tmp_path / "fp8")
     check_tp(str(tmp_path / "fp8"), 2, layers={"FP8Linear", "VocabEmbedding", "LMHead"})
+
+
+def test_comm_bytes_match_plan(tiny_qwen3):
+    """One decode-only step at TP 2 sends (ring algorithms) exactly what ``tokenfab plan`` reports per
+    token for TP 2 at that batch: the embedding's all-reduce, one after attention and one after the
+    MLP per layer (float32 [batch, hidden]), and the LM head's all-gather of padded vocabulary rows."""
+    from tokenfab.bench.comm import plan_bytes_per_token, ring_bytes, run_tp
+
+    ranks = run_tp(2, tiny_qwen3, batch=4, prompt_len=9, steps=2)
+    calls = ranks[0]["calls"]
+    layers, hidden = 2, 64
+    assert [k for k, _ in calls] == ["all_reduce"] * (1 + 2 * layers) + ["all_gather"]
+    assert {b for k, b in calls if k == "all_reduce"} == {4 * hidden * 4}
+    assert all(r["calls"] == calls for r in ranks)
+    measured = ring_bytes(calls, 2) / 4
+    assert measured == pytest.approx(plan_bytes_per_token(ranks[0]["config"], 2, 4), rel=1e-12)

@@ -26,6 +26,7 @@ BENCH_COMMANDS = {
     "train-kernels": ("tokenfab.bench.train_kernels", "RMSNorm/RoPE/SiLU training kernels fwd+bwd vs HF ops"),
     "spec": ("tokenfab.bench.spec", "speculative decoding on vs off: tokens/s, acceptance (bundled model)"),
     "overlap": ("tokenfab.bench.overlap", "device time between decode steps with vs without --async-scheduling"),
+    "comm": ("tokenfab.bench.comm", "TP bytes/token on gloo ranks vs tokenfab plan; 1 vs N ranks"),
 }
 
 
