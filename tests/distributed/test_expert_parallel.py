@@ -321,7 +321,10 @@ def _model_rank(rank: int, path: str, tp: int, redundant: int, mode: str) -> dic
     torch.set_num_threads(1)
     ps.init_parallel(tp)
     ps.init_expert_parallel(True, redundant)
-    ep_dispatch.set_ep_mode(mode, capacity=ENGINE_ARGS["max_num_seqs"])
+    # auto: decode-sized batches (max_num_seqs tokens, split over the TP ranks) low-latency, prefill
+    # chunks normal; forced low-latency: capacity for the largest step
+    cap = ENGINE_ARGS["max_num_batched_tokens"] if mode == "low_latency" else ENGINE_ARGS["max_num_seqs"] // tp
+    ep_dispatch.set_ep_mode(mode, capacity=cap)
     engine = LLMEngine(model=path, **ENGINE_ARGS)
     counter = ps.CommCounter()
     ps.set_comm_counter(counter)

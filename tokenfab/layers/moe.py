@@ -188,8 +188,8 @@ class FusedMoE(nn.Module):
         self._count_load(ids)
         phys = select_replica(ids, self.log2phy, self.logcnt)
         mode, capacity = ep_dispatch.ep_mode()
-        if mode == "auto":  # decode-sized batches go the static low-latency way
-            mode = "low_latency" if xs.shape[0] <= capacity else "normal"
+        if mode == "auto":  # decode-sized batches go the static low-latency way; decided on the
+            mode = "low_latency" if chunk <= capacity else "normal"  # TP group's common chunk size
         out = ep_dispatch.dispatch_combine(xs, phys, weights, self.experts, self.ep_size, self.num_local_experts,
                                            mode, capacity)
         if self.tp_size > 1:
