@@ -376,3 +376,64 @@ def test_moe_model_greedy_tokens_match_one_process(moe_models, case, tp, redunda
         want = {"normal": {"dispatch", "combine"}, "low_latency": {"dispatch_ll", "combine_ll"},
                 "auto": {"dispatch", "combine", "dispatch_ll", "combine_ll"}}[mode]
         assert want <= set(r["kinds"]), r["kinds"]
+
+
+def _bytes_rank(rank: int, experts: int, k: int, tokens: int) -> dict:
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.layers.moe import FusedMoE
+
+    torch.set_num_threads(1)
+    ps.init_parallel(1)
+    ps.init_expert_parallel(True)
+    ep_dispatch.set_ep_mode("normal")
+    g = torch.Generator().manual_seed(rank)  # each rank its own tokens (attention-DP-like)
+    moe = FusedMoE(H, I, experts, k)
+    for p in (moe.gate.weight, moe.w13_weight, moe.w2_weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randn(tokens, H, generator=g)
+    counter = ps.CommCounter()
+    ps.set_comm_counter(counter)
+    moe(x)
+    ps.set_comm_counter(None)
+    _, ids = moe.route(x)
+    remote_pairs = int((ids.long() // moe.num_local_experts != ps.get_parallel_state().ep_rank).sum())
+    sent: dict[str, int] = {}
+    for kind, b in counter.calls:
+        sent[kind] = sent.get(kind, 0) + b
+    return {"sent": sent, "remote_pairs": remote_pairs}
+
+
+@pytest.mark.slow
+def test_ep_bytes_per_token_vs_plan(tmp_path):
+    """Normal-mode EP 2, 16 experts top 4, 512 tokens a rank: the dispatch bytes per token equal
+    ``tokenfab plan``'s dispatch half (expected remote ranks x H x 4 bytes) within 10%; the combine
+    returns one row per remote (token, expert) pair (the exact slot-order sum at home), so it sends
+    k/2 = 2 rows a token where plan (DeepEP's per-rank reduced combine) counts 0.96."""
+    from tests.distributed.launch import run_ranks
+    from tests.distributed.plan_configs import write_config
+    from tokenfab.distributed.hardware import get_gpu, parse_interconnect
+    from tokenfab.distributed.model_spec import build_spec, load_config
+    from tokenfab.distributed.plan import PlanRequest, plan_model
+
+    experts, k, tokens = 16, 4, 512
+    res = run_ranks(_bytes_rank, 2, experts, k, tokens)
+    config = dict(model_type="qwen3_moe", hidden_size=H, intermediate_size=32, moe_intermediate_size=I,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=experts,
+                  num_experts_per_tok=k, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=64,
+                  torch_dtype="float32")
+    gpu = get_gpu("h100")
+    plan = plan_model(build_spec(load_config(write_config(tmp_path, config))),
+                      PlanRequest(gpus=2, gpu=gpu, interconnect=parse_interconnect(None, gpu), context=64,
+                                  max_num_seqs=8, dtype="float32"))
+    ep2 = next(p for p in plan.layouts if p.layout == "TP1 DP2 EP2")
+    assert ep2.decode_comm_bytes_per_token == pytest.approx(2 * expected_remote_ranks(experts, k, 2) * H * 4)
+    for r in res:
+        dispatch = r["sent"]["dispatch"] / tokens
+        assert dispatch == pytest.approx(ep2.decode_comm_bytes_per_token / 2, rel=0.10)
+        assert r["sent"]["count_exchange"] == 8
+    # a rank's combine returns the other rank's remote pairs
+    assert sum(r["sent"]["combine"] for r in res) == sum(r["remote_pairs"] for r in res) * H * 4
+    measured = sum(r["sent"]["dispatch"] + r["sent"]["combine"] for r in res) / (2 * tokens)
+    dispatch = sum(r["sent"]["dispatch"] for r in res) / (2 * tokens)
+    planned = ep2.decode_comm_bytes_per_token
+    print(f"EP2 bytes/token measured {measured:.0f} (dispatch {dispatch:.0f}) vs plan {planned:.0f}")
