@@ -437,3 +437,76 @@ def test_ep_bytes_per_token_vs_plan(tmp_path):
     dispatch = sum(r["sent"]["dispatch"] for r in res) / (2 * tokens)
     planned = ep2.decode_comm_bytes_per_token
     print(f"EP2 bytes/token measured {measured:.0f} (dispatch {dispatch:.0f}) vs plan {planned:.0f}")
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fp8", "mxfp4", "int4"])
+def test_experts_load_only_the_local_subset(monkeypatch, fmt):
+    """Under EP (rank 1 of 2, 2 redundant slots; the state set by hand, no processes) a FusedMoE and its
+    FP8 / MXFP4 / INT4 expert modules hold only this rank's slots: each filled from its logical
+    expert's checkpoint tensors (replicas too), the other experts skipped, nothing reported missing."""
+    from torch import nn
+
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.kernels.quant import FP8
+    from tokenfab.layers.moe import FusedMoE, load_moe_tensor
+    from tokenfab.quant.fp8_experts import FP8Experts
+    from tokenfab.quant.int4_ct import Int4Experts
+    from tokenfab.quant.mxfp4 import Mxfp4Experts, deinterleave_rows
+
+    st = ps.get_parallel_state()
+    for name, value in (("ep_size", 2), ("ep_rank", 1), ("ep_redundant", 2)):
+        monkeypatch.setattr(st, name, value)
+    e, h, i = 8, 64, 32
+    root = nn.Module()
+    root.moe = FusedMoE(h, i, e, 2)
+    moe = root.moe
+    local = moe.placement.local_logical(1).tolist()
+    assert moe.num_local_experts == 5 and len(local) == 5
+    g = torch.Generator().manual_seed(0)
+    if fmt == "plain":
+        w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+        done = []
+        for x in range(e):
+            done += load_moe_tensor(root, "moe", "gate", w13[x, :i], x) + load_moe_tensor(root, "moe", "up",
+                                                                                           w13[x, i:], x)
+        done += load_moe_tensor(root, "moe", "w2", w2)  # stacked: the local rows
+        assert sorted(done) == ["moe.w13_weight", "moe.w2_weight"]
+        assert torch.equal(moe.w13_weight, w13[local]) and torch.equal(moe.w2_weight, w2[local])
+        return
+    if fmt == "fp8":
+        q = FP8Experts(moe, scheme="channel")
+        moe.set_quant_experts(q)
+        ws = {(x, kind): torch.randn(*((h, i) if kind == "down" else (i, h)), generator=g).to(FP8)
+              for x in range(e) for kind in ("gate", "up", "down")}
+        for (x, kind), w in ws.items():
+            load_moe_tensor(root, "moe", kind, w, x, "weight")
+            load_moe_tensor(root, "moe", kind, torch.full((w.shape[0], 1), x + 1.0), x, "weight_scale")
+        for s, lg in enumerate(local):
+            assert torch.equal(q.w13[s, :i].view(torch.uint8), ws[(lg, "gate")].view(torch.uint8))
+            assert torch.equal(q.w2[s].view(torch.uint8), ws[(lg, "down")].view(torch.uint8))
+            assert bool((q.w13_scale[s] == lg + 1.0).all())
+    elif fmt == "mxfp4":
+        q = Mxfp4Experts(moe)
+        moe.set_quant_experts(q)
+        blocks = torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(100, 140, (e, 2 * i, h // 32), generator=g, dtype=torch.uint8)
+        load_moe_tensor(root, "moe", "w13", blocks, None, "blocks")
+        load_moe_tensor(root, "moe", "w13", scales, None, "scales")
+        load_moe_tensor(root, "moe", "w2", torch.zeros(e, h, i // 32, 16, dtype=torch.uint8), None, "blocks")
+        load_moe_tensor(root, "moe", "w2", torch.zeros(e, h, i // 32, dtype=torch.uint8), None, "scales")
+        assert torch.equal(q.w13_q, deinterleave_rows(blocks.reshape(e, 2 * i, -1))[local])
+        assert torch.equal(q.w13_s, deinterleave_rows(scales)[local])
+    else:
+        q = Int4Experts(moe)
+        moe.set_quant_experts(q)
+        packed = {}
+        for x in range(e):
+            for kind in ("gate", "up", "down"):
+                rows, k = (h, i) if kind == "down" else (i, h)
+                packed[(x, kind)] = torch.randint(-2**31, 2**31 - 1, (rows, k // 8), generator=g, dtype=torch.int32)
+                load_moe_tensor(root, "moe", kind, packed[(x, kind)], x, "weight_packed")
+                load_moe_tensor(root, "moe", kind, torch.full((rows, k // 32), float(x)), x, "weight_scale")
+        for s, lg in enumerate(local):
+            assert torch.equal(q.w13_q[s, i:], packed[(lg, "up")].view(torch.uint8))
+            assert bool((q.w2_s[s] == float(lg)).all())
+    assert q.missing() == []
