@@ -510,3 +510,51 @@ def test_experts_load_only_the_local_subset(monkeypatch, fmt):
             assert torch.equal(q.w13_q[s, i:], packed[(lg, "up")].view(torch.uint8))
             assert bool((q.w2_s[s] == float(lg)).all())
     assert q.missing() == []
+
+
+def _fp8_rank(rank: int) -> dict:
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.kernels import moe_gemm
+    from tokenfab.kernels.quant import FP8
+    from tokenfab.layers.moe import FusedMoE, load_moe_tensor
+    from tokenfab.quant import fp8_experts
+    from tokenfab.quant.fp8_experts import FP8Experts
+
+    torch.set_num_threads(1)
+    ps.init_parallel(1)
+    ps.init_expert_parallel(True, 2)
+    ep_dispatch.set_ep_mode("auto", capacity=4)  # 12 tokens: normal; 3 tokens: low latency
+    moe_gemm.F = fp8_experts.F = _RowwiseF()
+    e, h, i, k = 8, 64, 32, 2
+    root = torch.nn.Module()
+    root.moe = FusedMoE(h, i, e, k)
+    q = FP8Experts(root.moe, scheme="channel")
+    root.moe.set_quant_experts(q)
+    g = torch.Generator().manual_seed(0)
+    root.moe.gate.weight.data.copy_(torch.randn(e, h, generator=g) * 0.3)
+    w13, w2 = torch.zeros(e, 2 * i, h), torch.zeros(e, h, i)
+    for x in range(e):
+        for kind, rows, cols, dst in (("gate", i, h, w13[x, :i]), ("up", i, h, w13[x, i:]), ("down", h, i, w2[x])):
+            w = (torch.randn(rows, cols, generator=g) * 4).to(FP8)
+            s = torch.rand(rows, 1, generator=g) * 0.1 + 0.01
+            load_moe_tensor(root, "moe", kind, w, x, "weight")
+            load_moe_tensor(root, "moe", kind, s, x, "weight_scale")
+            dst.copy_(w.float() * s)  # the dequantized twin
+    res = {"missing": q.missing()}
+    for n in (12, 3):
+        x = torch.randn(n, h, generator=g)
+        out = root.moe(x)
+        weights, ids = root.moe.route(x)
+        ref = moe_gemm.fused_experts_ref(x, w13, w2, weights, ids)
+        res[n] = bool(torch.equal(out, ref))
+    return res
+
+
+@pytest.mark.slow
+def test_fp8_experts_under_ep():
+    """FP8 (per-channel) experts, EP 2 with 2 replica slots: each rank's layer equals the single-process
+    product of the dequantized twin, bit for bit (row-invariant products), in both dispatch modes."""
+    from tests.distributed.launch import run_ranks
+
+    for r in run_ranks(_fp8_rank, 2):
+        assert r == {"missing": [], 12: True, 3: True}
