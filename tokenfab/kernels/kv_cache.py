@@ -63,9 +63,35 @@ def check_kv_dtypes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError(f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must both be fp8 or neither")
     if fp8:
         check_fp8_scales(op, k_cache, k_scale=k_scale, v_scale=v_scale)
-        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{op}: queries over an fp8 cache must be float32/bfloat16/float16, got {q.dtype}")
+        _check_query_dtype(op, q)
     return fp8
+
+
+def _check_query_dtype(op: str, q: torch.Tensor) -> None:
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{op}: queries over an fp8 cache must be float32/bfloat16/float16, got {q.dtype}")
+
+
+def latent_rows(cache: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` (a latent-cache gather, e.g. ``gather_kv(cache.view(torch.uint8), ...)``, as bytes for an fp8
+    cache) -> float32 values: an fp8 cache's bytes dequantized with ``scale``, others just widened."""
+    if is_fp8(cache.dtype):
+        return dequantize_fp8_ref(rows.view(cache.dtype), scale)
+    return rows.float()
+
+
+def raw_cache(cache: torch.Tensor) -> torch.Tensor:
+    """The cache to gather from: an fp8 cache as bytes (CPU index_select/index_copy do not take fp8)."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def check_latent_fp8(op: str, q: torch.Tensor, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether a latent-cache kernel reads an fp8 cache (then with its scale, q a 16/32-bit float)."""
+    if not is_fp8(cache.dtype):
+        return False
+    check_fp8_scales(op, cache, kv_scale=kv_scale)
+    _check_query_dtype(op, q)
+    return True
 
 
 def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

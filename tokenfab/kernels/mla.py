@@ -40,7 +40,14 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import use_triton
 from tokenfab.kernels.batch_invariant import batch_invariant
-from tokenfab.kernels.kv_cache import check_fp8_scales, dequantize_fp8_ref, is_fp8, quantize_fp8_ref
+from tokenfab.kernels.kv_cache import (
+    check_fp8_scales,
+    check_latent_fp8,
+    is_fp8,
+    latent_rows,
+    quantize_fp8_ref,
+    raw_cache,
+)
 from tokenfab.kernels.paged import (
     LOG2E,
     MAX_DECODE_SPLITS,
@@ -52,29 +59,6 @@ from tokenfab.kernels.paged import (
 
 # The references process long prefills in query chunks of about this many score elements (fp32).
 REF_CHUNK_ELEMENTS = 1 << 26
-
-
-def latent_rows(cache: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``rows`` (a latent-cache gather, e.g. ``gather_kv(cache.view(torch.uint8), ...)``, as bytes for an fp8
-    cache) -> float32 values: an fp8 cache's bytes dequantized with ``scale``, others just widened."""
-    if is_fp8(cache.dtype):
-        return dequantize_fp8_ref(rows.view(cache.dtype), scale)
-    return rows.float()
-
-
-def raw_cache(cache: torch.Tensor) -> torch.Tensor:
-    """The cache to gather from: an fp8 cache as bytes (CPU index_select/index_copy do not take fp8)."""
-    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
-
-
-def check_latent_fp8(op: str, q: torch.Tensor, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
-    """Whether a latent-cache kernel reads an fp8 cache (then with its scale, q a 16/32-bit float)."""
-    if not is_fp8(cache.dtype):
-        return False
-    check_fp8_scales(op, cache, kv_scale=kv_scale)
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{op}: queries over an fp8 cache must be float32/bfloat16/float16, got {q.dtype}")
-    return True
 
 
 def mla_attention_ref(
