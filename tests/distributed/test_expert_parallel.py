@@ -558,3 +558,68 @@ def test_fp8_experts_under_ep():
 
     for r in run_ranks(_fp8_rank, 2):
         assert r == {"missing": [], 12: True, 3: True}
+
+
+def _attention_dp_rank(rank: int, path: str) -> dict:
+    """DeepSeek's serving layout on 2 ranks: attention data-parallel (each rank its own requests, its own
+    latent cache) and the MoE layers expert-parallel over both. A rank with nothing to do runs an empty
+    batch through the MoE layers, in lockstep with the busy one."""
+    import torch.distributed as dist
+
+    from tokenfab.distributed import parallel_state as ps
+    from tokenfab.engine.llm_engine import LLMEngine
+    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.layers.moe import FusedMoE
+
+    torch.set_num_threads(1)
+    ps.init_parallel(1)  # TP 1, DP 2
+    ps.init_expert_parallel(True)
+    ep_dispatch.set_ep_mode("normal")  # the ranks' batches differ: a mode that needs no agreement
+    engine = LLMEngine(model=path, **ENGINE_ARGS)
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    forwards = []
+    orig = engine.runner.execute
+
+    def spy(batch):
+        forwards.append(batch.num_tokens)
+        return orig(batch)
+
+    engine.runner.execute = spy
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    mine = PROMPTS[rank::2]
+    for i, p in enumerate(mine):
+        engine.add_request(f"r{i}", list(p), params)
+    done, idle_steps = {}, 0
+    while True:
+        busy = torch.tensor([int(engine.has_unfinished_requests())])
+        dist.all_reduce(busy)
+        if int(busy) == 0:
+            break
+        if engine.has_unfinished_requests():
+            n = len(forwards)
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+            assert len(forwards) == n + 1, "a step without one forward would break the lockstep"
+        else:
+            idle_steps += 1
+            hidden = moes[0].hidden_size
+            with torch.inference_mode():
+                for m in moes:
+                    m(torch.empty(0, hidden))
+    return {"tokens": [done[f"r{i}"] for i in range(len(mine))], "idle_steps": idle_steps,
+            "max_tokens": max(forwards)}
+
+
+@pytest.mark.slow
+def test_attention_dp_plus_ep_deepseek(moe_models):
+    """Attention-DP + EP on tiny DeepSeek-V3 (2 ranks): each rank serves its own requests and gets the
+    tokens one process gives them; the shorter rank idles through the MoE collectives."""
+    from tests.distributed.launch import run_ranks
+
+    paths, refs = moe_models
+    res = run_ranks(_attention_dp_rank, 2, paths["deepseek_v3"])
+    ref = refs["deepseek_v3"][2:]  # the 4-prompt run of the fixture
+    for rank, r in enumerate(res):
+        assert r["tokens"] == ref[rank::2]
+    assert sum(r["idle_steps"] for r in res) > 0  # the lockstep's empty batches were exercised
