@@ -162,3 +162,11 @@ def test_gpt_oss_sinks_split_with_heads(tmp_path, monkeypatch):
         sinks = [m.model.layers[i].self_attn.attn.sinks for m in ranks]
         assert sinks[0].numel() == layer.self_attn.attn.num_heads // 2
         torch.testing.assert_close(torch.cat(sinks), layer.self_attn.attn.sinks, rtol=0, atol=0)
+
+
+def test_heads_that_do_not_divide_are_a_load_error(monkeypatch):
+    from tokenfab.loader.bundled import bundled_model_path
+
+    with pytest.raises(ModelLoadError, match="cannot be split for tensor parallelism: 3 KV heads and tensor parallel "
+                       "size 2: neither divides the other"):
+        _load(bundled_model_path(), monkeypatch, 0, 2)

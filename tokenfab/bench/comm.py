@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from tokenfab.bench.common import git_commit, machine, markdown_table, write_json
+from tokenfab.bench.common import git_commit, load_average, machine, markdown_table, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,12 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--ep", action="store_true",
+                   help="expert parallel over the ranks (MoE models; normal-mode all-to-all, counted as sent)")
     p.add_argument("--json", default=None)
 
 
 def ring_bytes(calls: list[tuple[str, int]], tp: int) -> float:
     """Bytes one rank sends for ``calls`` ((kind, payload bytes) per collective) with ring algorithms."""
-    return sum(2 * (tp - 1) / tp * b if kind == "all_reduce" else (tp - 1) * b for kind, b in calls)
+    return sum(2 * (tp - 1) / tp * b if kind == "all_reduce" else b if kind in EP_KINDS else (tp - 1) * b
+               for kind, b in calls)
+
+
+# expert-parallel all-to-alls: CommCounter records the bytes sent to other ranks already
+EP_KINDS = ("count_exchange", "dispatch", "dispatch_meta", "combine", "dispatch_ll", "dispatch_ll_meta", "combine_ll")
 
 
 def decode_run(model: str | None, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict[str, Any]:
@@ -82,15 +89,21 @@ def _rank(rank: int, tp: int, port: int, out_dir: str, threads: int, args: tuple
     torch.set_num_threads(threads)
     ps.init_distributed(rank, tp, init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
     ps.init_parallel(tp)
+    if args[-1]:  # --ep: the MoE layers expert-parallel over the TP group, normal mode (what plan models)
+        from tokenfab.distributed import ep_dispatch
+
+        ps.init_expert_parallel(True)
+        ep_dispatch.set_ep_mode("normal")
     try:
-        res = decode_run(*args)
+        res = decode_run(*args[:-1])
     finally:
         ps.destroy_parallel()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
 
-def run_tp(tp: int, model: str | None, batch: int, prompt_len: int, steps: int, threads: int = 1) -> list[dict]:
+def run_tp(tp: int, model: str | None, batch: int, prompt_len: int, steps: int, threads: int = 1,
+           ep: bool = False) -> list[dict]:
     """``decode_run`` on ``tp`` spawned gloo ranks; every rank's result."""
     import torch.multiprocessing as mp
 
@@ -98,11 +111,11 @@ def run_tp(tp: int, model: str | None, batch: int, prompt_len: int, steps: int, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="tokenfab-comm-") as out:
-        mp.spawn(_rank, args=(tp, port, out, threads, (model, batch, prompt_len, steps)), nprocs=tp, join=True)
+        mp.spawn(_rank, args=(tp, port, out, threads, (model, batch, prompt_len, steps, ep)), nprocs=tp, join=True)
         return [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(tp)]
 
 
-def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int) -> float:
+def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int, ep: bool = False) -> float:
     """``tokenfab plan``'s decode bytes sent per rank per token for TP ``tp`` at this batch (float32)."""
     from tokenfab.distributed.hardware import get_gpu, parse_interconnect
     from tokenfab.distributed.model_spec import build_spec
@@ -112,7 +125,7 @@ def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int) -> float:
     spec = build_spec(dict(config, torch_dtype="float32"))
     plan = plan_model(spec, PlanRequest(gpus=tp, gpu=gpu, interconnect=parse_interconnect(None, gpu), context=256,
                                         max_num_seqs=batch, dtype="float32"))
-    layout = next(p for p in plan.layouts if p.tp == tp and p.dp == 1 and p.ep == 1)
+    layout = next(p for p in plan.layouts if p.tp == tp and p.dp == 1 and p.ep == (tp if ep else 1))
     assert layout.decode_batch == batch, (layout.decode_batch, batch)
     return layout.decode_comm_bytes_per_token
 
@@ -124,13 +137,14 @@ def run(args: argparse.Namespace) -> int:
     base = decode_run(args.model, args.batch, args.prompt_len, args.steps)  # TP 1, this process
     rows, results = [], []
     for tp in args.tp:
-        ranks = run_tp(tp, args.model, args.batch, args.prompt_len, args.steps, args.threads)
+        ranks = run_tp(tp, args.model, args.batch, args.prompt_len, args.steps, args.threads, args.ep)
         calls = ranks[0]["calls"]
         measured = ring_bytes(calls, tp) / ranks[0]["tokens"]
-        planned = plan_bytes_per_token(ranks[0]["config"], tp, args.batch)
+        planned = plan_bytes_per_token(ranks[0]["config"], tp, args.batch, args.ep)
         kinds = {k: sum(1 for c, _ in calls if c == k) for k in ("all_reduce", "all_gather")}
         speed = min(r["decode_tok_s"] for r in ranks)
-        results.append({"tp": tp, "batch": args.batch, "collectives": kinds, "measured_bytes_per_token": measured,
+        results.append({"tp": tp, "ep": args.ep, "batch": args.batch, "collectives": kinds,
+                        "measured_bytes_per_token": measured,
                         "plan_bytes_per_token": planned, "decode_tok_s": speed,
                         "decode_tok_s_tp1": base["decode_tok_s"]})
         rows.append([tp, args.batch, f"{kinds['all_reduce']} + {kinds['all_gather']}", f"{measured:,.0f}",
@@ -139,5 +153,6 @@ def run(args: argparse.Namespace) -> int:
                           "ratio", "decode tok/s TP1", "decode tok/s TPn"], rows))
     print("(bytes sent per rank per decode token, ring algorithms; throughput on shared CPU cores is informational)")
     write_json(args.json, {"benchmark": "comm", "model": args.model or "bundled", "commit": git_commit(),
-                           "machine": machine(), "threads_per_rank": args.threads, "results": results})
+                           "machine": machine(), "load_average": load_average(), "threads_per_rank": args.threads,
+                           "results": results})
     return 0

@@ -29,6 +29,10 @@ import torch.nn.functional as F
 from tokenfab.distributed.parallel_state import get_parallel_state
 
 
+class TPSplitError(ValueError):
+    """A model that cannot be split at this tensor parallel size (heads or features that do not divide)."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -99,7 +103,7 @@ def tp_rank_size() -> tuple[int, int]:
 
 def _split(n: int, tp: int, what: str) -> int:
     if n % tp:
-        raise ValueError(f"{what} ({n}) does not divide by the tensor parallel size {tp}")
+        raise TPSplitError(f"{what} ({n}) do not divide by the tensor parallel size {tp}")
     return n // tp
 
 
@@ -135,7 +139,7 @@ def qkv_split(head_dim: int, num_heads: int, num_kv_heads: int) -> TPSplit | Non
     if tp == 1:
         return None
     if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"{num_kv_heads} KV heads and tensor parallel size {tp}: neither divides the other")
+        raise TPSplitError(f"{num_kv_heads} KV heads and tensor parallel size {tp}: neither divides the other")
     hq = _split(num_heads, tp, "attention heads")
     hkv = max(1, num_kv_heads // tp)
     kv0 = rank * num_kv_heads // tp if tp >= num_kv_heads else rank * hkv

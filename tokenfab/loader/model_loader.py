@@ -43,13 +43,18 @@ def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max
         cls = resolve_model_class(arch)
     except KeyError as e:
         raise ModelLoadError(source, str(e.args[0])) from e
-    with _default_dtype(dtype), torch.device(device):
-        if not meta_weights:
-            return cls(config, max_position=max_position)
-        from tokenfab.quant.apply import weights_on_meta
+    from tokenfab.layers.tp_split import TPSplitError
 
-        with weights_on_meta():
-            return cls(config, max_position=max_position)
+    try:
+        with _default_dtype(dtype), torch.device(device):
+            if not meta_weights:
+                return cls(config, max_position=max_position)
+            from tokenfab.quant.apply import weights_on_meta
+
+            with weights_on_meta():
+                return cls(config, max_position=max_position)
+    except TPSplitError as e:  # e.g. 9 heads at --tensor-parallel-size 2
+        raise ModelLoadError(source, f"cannot be split for tensor parallelism: {e}") from e
 
 
 def _hf_tokenizer(model_dir: Path) -> Any | None:
