@@ -1,6 +1,7 @@
 # Two commands on a fresh machine with only Python 3.11+:
 #   make serve   - create .venv, install everything, start the OpenAI server on the bundled model
-#   make test    - install the dev dependencies and run the test suite
+#   make test    - install the dev dependencies and run the test suite (the fast tier CI runs)
+#   make test-slow - the slow tier (multi-process ranks, servers, compiles), make test-all both
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint bench mutation clean
+.PHONY: install serve test test-slow test-all lint bench mutation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +26,15 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenfab serve --host $(HOST) --port $(PORT)
 
+# the fast tier (CI): every test not marked slow; must stay under 15 minutes on 2 cores
 test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
+
+# the slow tier: gloo ranks, servers and engine-core processes, Hopper compiles, long runs
+test-slow: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow tests
+
+test-all: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
