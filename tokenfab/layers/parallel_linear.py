@@ -1,4 +1,7 @@
-"""Tensor-parallel layers (Megatron-style), standalone: not yet wired into the models.
+"""Tensor-parallel layers (Megatron-style), standalone reference versions with explicit
+``load_full`` / ``load_shard``. The models use the TP-aware ``layers.linear.Linear`` /
+``MergedLinear`` / ``qkv_linear`` and ``layers.embedding`` classes instead, which take the same
+splits from ``layers.tp_split`` through the weight loader (and keep the quantized replacements).
 
 With W split over ``tp`` ranks:
 - column-parallel: rank r holds rows W_r of the output dim, computes y_r = x W_r^T (its slice of the
@@ -18,20 +21,13 @@ Loading: ``load_full`` / ``load_shard`` take the full checkpoint tensor and copy
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.distributed.parallel_state import get_parallel_state, tp_all_gather_last, tp_all_reduce
+from tokenfab.layers.embedding import VOCAB_PADDING, vocab_rows_per_rank  # noqa: F401 (re-exported)
 from tokenfab.layers.linear import linear
-
-VOCAB_PADDING = 64
-
-
-def vocab_rows_per_rank(vocab_size: int, tp_size: int, multiple: int = VOCAB_PADDING) -> int:
-    return math.ceil(vocab_size / (multiple * tp_size)) * multiple
 
 
 def _tp() -> tuple[int, int]:

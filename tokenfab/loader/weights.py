@@ -46,6 +46,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     tensors through ``load_quantized(suffix, tensor, shard)`` and list what they still lack in
     ``missing()``; with a quant method, non-float tensors are offered to the model's hook (quantized experts).
 
+    Tensor parallelism: a layer built for TP > 1 carries ``tp_split`` (layers.tp_split); it is
+    handed the full checkpoint tensor and keeps its rank's part (plain layers here, quantized ones
+    in ``load_quantized``).
+
     Nothing is dropped silently: a tensor in a dtype no parameter takes as is (float8, packed
     integers: a quantized format we do not load yet) is an error naming the format, and a
     tensor that nothing consumed is an error naming it (``_IGNORED_SUFFIXES`` and the entries a
