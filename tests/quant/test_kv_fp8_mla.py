@@ -54,6 +54,7 @@ def test_fp8_latent_cache(case, tmp_path):
     assert diff < 0.1, float(diff)
 
 
+@pytest.mark.slow  # 4-7 s
 def test_expanded_form_reads_the_fp8_cache(tmp_path, monkeypatch):
     """A long prefill chunk runs the expanded form (latents gathered, dequantized, expanded per head);
     with the same FP8 cache and scale it equals the absorbed form up to float32 rounding."""
