@@ -5,6 +5,12 @@ so a bad guess costs time, never correctness. ``propose`` sees the sequence's kn
 (``seq.token_ids``: prompt + output, every one of them real: the engine never asks while a token is
 still pending on the device) and returns at most ``k`` ids; an empty list means "no guess" and that
 sequence is decoded plainly in the step.
+
+Model-based proposers (``model_based = True``: ``DraftModelProposer``, ``Eagle3Proposer``,
+``MtpProposer``) have another shape, used by ``spec.step.SpecDecoder``: ``kv_bytes_per_token`` and
+``bind_cache(block_size, num_blocks)`` (their paged cache, indexed by the target's block tables),
+``execute(runner, batch, seqs, counts)`` (the target's forward, which they follow) and
+``draft(seqs, ks) -> (drafts, q per sequence or None)`` after scheduling.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ How a step runs with speculation on (``LLMEngine.step``):
    batch's size (``draft_budget``); a step with more decoding sequences than
    ``disable_by_batch_size`` proposes nothing, and the proposers return nothing when they have no
    guess, so those sequences decode plainly in the same step.
+   Model-based proposers (draft model, EAGLE-3, MTP: ``spec/draft_model.py``,
+   ``spec/feature_draft.py``) put k placeholders there; ``fill_drafts`` replaces them with the
+   draft module's tokens once the scheduler has allocated their blocks (the draft caches use the
+   target's block tables), and ``execute`` runs the target's forward so the draft module follows
+   it (its K/V, or the target's features).
 2. The scheduler allocates KV slots for the k + 1 tokens (the last real token and the drafts; a
    draft never costs a preemption: without the blocks, the sequence drops its drafts), and
    ``ModelRunner.prepare`` builds the flat batch: k + 1 query tokens for such a sequence, whose k + 1
