@@ -49,6 +49,9 @@ class ParallelState:
     ep_size: int = 1
     ep_group: dist.ProcessGroup | None = None
     ep_redundant: int = 0  # EPLB: redundant physical experts per MoE layer (all ranks together)
+    # two-batch overlap (distributed/two_batch.py): when a list, tp_all_reduce launches async_op and
+    # appends its Work here (the stage runner waits before the result is read)
+    deferred: list | None = None
 
 
 _state = ParallelState()
@@ -113,6 +116,9 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if s.counter is not None:
         s.counter.add("all_reduce", x)
+    if s.deferred is not None:
+        s.deferred.append(dist.all_reduce(x, group=s.tp_group, async_op=True))
+        return x
     dist.all_reduce(x, group=s.tp_group)
     return x
 

@@ -49,6 +49,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # two-batch overlap (distributed/two_batch.py): a step of >= tbo_min_tokens tokens at TP/EP > 1 runs
+    # as two micro-batches, one's all-reduce in flight while the other computes; None: the default
+    enable_two_batch_overlap: bool = False
+    tbo_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         from tokenfab.quant.kv_fp8 import parse_kv_cache_dtype, parse_skip_layers
@@ -102,6 +106,12 @@ class EngineArgs:
                             "requests go to the least loaded, prefix-cache affinity first")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="MoE models: shard the experts over the ranks (all-to-all dispatch)")
+        parser.add_argument("--enable-two-batch-overlap", action="store_true",
+                            help="TP/EP > 1: split large steps into two micro-batches so one's all-reduce runs "
+                            "while the other computes (same tokens; measured only on CPU gloo, where it is "
+                            "informational: tokenfab bench comm --tbo)")
+        parser.add_argument("--tbo-min-tokens", type=int, default=None,
+                            help="two-batch overlap only for steps of at least this many tokens (default 256)")
 
         parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                             help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenfab.distributed import two_batch
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
     default_cpu_kv_bytes,
@@ -70,6 +71,7 @@ class LLMEngine:
             tune_cpu_allocator()
         copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
+        two_batch.configure_from_args(args)  # --enable-two-batch-overlap (every TP rank does the same)
         self.memory = log_memory_figures(self.model, self.dtype, copies)
         self.spec = None  # speculative decoding (tokenfab/spec/step.py); a draft module loads here
         if spec_config is not None:

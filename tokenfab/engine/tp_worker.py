@@ -55,6 +55,9 @@ class TPWorker:
         from tokenfab.quant.kv_fp8 import configure_kv_cache
 
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # as on rank 0
+        from tokenfab.distributed import two_batch
+
+        two_batch.configure_from_args(args)  # two-batch overlap as on rank 0 (same collectives, same order)
         self.runner: Any = None
         self.steps = 0
 

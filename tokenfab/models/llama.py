@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenfab.distributed import two_batch
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels import silu_and_mul
 from tokenfab.layers.attention import Attention
@@ -77,6 +78,10 @@ class LlamaAttention(nn.Module):
         )
         self.splits = [q_size, kv_size, kv_size]
 
+    @property
+    def ends_in_all_reduce(self) -> bool:  # two-batch overlap: o_proj's all-reduce is the last op
+        return getattr(self.o_proj, "reduce_output", False)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.forward(x).split(self.splits, dim=-1)
@@ -97,6 +102,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, parallel="column")
         self.down_proj = Linear(inter, config.hidden_size, bias=bias, parallel="row")  # all-reduce after the MLP
 
+    @property
+    def ends_in_all_reduce(self) -> bool:  # two-batch overlap: down_proj's all-reduce is the last op
+        return getattr(self.down_proj, "reduce_output", False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
@@ -115,14 +124,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return two_batch.run_plain(self.forward_stages(x, residual, batch))
+
+    def forward_stages(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> two_batch.Stages:
+        """The layer as stages (distributed/two_batch.py): in an overlapped step each ``yield from
+        two_batch.call`` ends a stage after the call's collective is launched (attention, MLP/MoE)."""
         if residual is None:
             residual = x.clone()
             h = self.input_layernorm.forward(x)
         else:
             h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(h, batch)
+        h = yield from two_batch.call(self.self_attn, h, batch)
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
+        h = yield from two_batch.call(self.mlp, h)
+        return h, residual
 
 
 class DecoderModel(nn.Module):
@@ -133,9 +148,14 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if two_batch.wanted(batch):  # --enable-two-batch-overlap, TP/EP > 1, enough tokens
+            return two_batch.forward(self, batch)
+        return two_batch.run_plain(self.forward_stages(batch))
+
+    def forward_stages(self, batch: ForwardBatch) -> two_batch.Stages:
         x, residual = self.embed_tokens.forward(batch.input_ids), None
         for layer in self.layers:
-            x, residual = layer.forward(x, residual, batch)
+            x, residual = yield from two_batch.call(layer, x, residual, batch)
         x, _ = self.norm.forward(x, residual)
         return x
 

@@ -1,0 +1,248 @@
+"""Two-batch overlap (TBO): one micro-batch's collective runs while the other micro-batch computes.
+
+SGLang's two-batch overlap, written on ``torch.distributed``'s ``async_op``. A step's sequences are
+split in two micro-batches (whole sequences, about half the tokens each). The layer sequence is
+written once, as generators with yield points (``DecoderModel.forward_stages`` /
+``DecoderLayer.forward_stages`` in ``models/llama.py``): a stage ends right after a module call whose
+last operation is a collective (the attention's o_proj all-reduce, the MLP's or the TP-split experts'
+down-projection all-reduce, or a module with stages of its own). In an overlapped step that
+collective is launched with ``async_op=True`` and the stage yields its ``Work`` handles; the
+scheduler (``run_overlapped``) then runs the *other* micro-batch's next stage before it waits::
+
+    A: attention ─► all-reduce(A) launched ······························· wait ─► MLP ─► ...
+    B:                                  attention ─► all-reduce(B) launched ········ wait ─► ...
+
+Outside an overlapped step nothing is deferred and no stage yields: the plain forward is the same
+generator drained at once (``run_plain``), so the two paths share every line of the layer code.
+
+Which module calls end in their collective: modules declare ``ends_in_all_reduce`` (true when their
+last op is a row-parallel linear with ``reduce_output``; ``LlamaAttention``, ``LlamaMLP``,
+``GatedMLP``, a TP-split ``FusedMoE`` without shared experts). Other modules (expert-parallel
+dispatch/combine, MLA) run their collectives synchronously inside the stage: correct, not overlapped.
+A deferred call that issues more than one collective is an error (its first result would be read
+before it arrived).
+
+Every rank of a group must issue the same collectives in the same order: the split and the switch
+depend only on the batch (the same on every TP rank) and on the configuration (the same flags on
+every rank). On CPU gloo ranks sharing two cores the figures are informational: compute and the
+collective's thread compete for the same cores (``tokenfab bench comm --tbo``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenfab.distributed import parallel_state as ps
+from tokenfab.forward_batch import ForwardBatch
+
+# what a stage yields: the Work handles of the collectives it launched (empty: nothing pending)
+Stages = Generator[list, None, Any]
+
+# default switch point (tokens in the step): below it the split costs more than the overlap can save
+# (two half-size launches of every kernel). Measured on CPU gloo only (tokenfab bench comm --tbo, see
+# README "Parallelism"): informational; re-measure on the GPU interconnect before relying on it.
+DEFAULT_MIN_TOKENS = 256
+
+
+@dataclass
+class TBOConfig:
+    enabled: bool = False
+    min_tokens: int = DEFAULT_MIN_TOKENS
+
+
+_config = TBOConfig()
+_overlapping = False  # inside run_overlapped: module calls that end in a collective are deferred
+
+
+def configure(enabled: bool, min_tokens: int | None = None) -> TBOConfig:
+    """Switch TBO on or off for the following steps (every rank of the group, with the same values)."""
+    global _config
+    if min_tokens is not None and min_tokens < 2:
+        raise ValueError(f"--tbo-min-tokens must be >= 2 (two micro-batches), got {min_tokens}")
+    _config = TBOConfig(bool(enabled), DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens))
+    return _config
+
+
+def configure_from_args(args: Any) -> TBOConfig:
+    """From EngineArgs (``enable_two_batch_overlap``, ``tbo_min_tokens``); absent fields mean off."""
+    return configure(bool(getattr(args, "enable_two_batch_overlap", False)), getattr(args, "tbo_min_tokens", None))
+
+
+def get_config() -> TBOConfig:
+    return _config
+
+
+def wanted(batch: ForwardBatch) -> bool:
+    """Whether this step runs as two overlapped micro-batches: on, a collective to hide (TP or EP
+    > 1), at least ``min_tokens`` tokens and two sequences to split."""
+    if not _config.enabled or _overlapping:
+        return False
+    s = ps.get_parallel_state()
+    return (s.tp_size > 1 or s.ep_size > 1) and batch.num_tokens >= _config.min_tokens and batch.num_seqs >= 2
+
+
+# ---------------------------------------------------------------------------------------- split
+
+
+def split_point(cu: list[int]) -> int:
+    """The sequence index s (1 <= s < B) whose boundary cu[s] is nearest half the tokens (the first
+    such on a tie): micro-batch A is sequences [0, s), B is [s, B)."""
+    b, half = len(cu) - 1, cu[-1] / 2
+    if b < 2:
+        raise ValueError(f"two micro-batches need at least two sequences, got {b}")
+    return min(range(1, b), key=lambda s: abs(cu[s] - half))
+
+
+def _sub_batch(batch: ForwardBatch, lo: int, hi: int, cu: list[int], ctx: list[int],
+               logits: torch.Tensor, prompt: torch.Tensor | None) -> ForwardBatch:
+    """Sequences [lo, hi) of ``batch`` as a batch of their own (token rows cu[lo]:cu[hi]); its
+    logits/prompt indices are the rows inside that range, relative to its first token."""
+    t0, t1 = cu[lo], cu[hi]
+
+    def rows(idx: torch.Tensor) -> torch.Tensor:  # sorted ascending (the runner builds them in order)
+        a, b = torch.searchsorted(idx, torch.tensor([t0, t1], dtype=idx.dtype)).tolist()
+        return idx[a:b] - t0
+
+    dev = batch.logits_indices.device
+    return ForwardBatch(
+        input_ids=batch.input_ids[t0:t1],
+        positions=batch.positions[t0:t1],
+        slot_mapping=batch.slot_mapping[t0:t1],
+        block_tables=batch.block_tables[lo:hi],
+        cu_seqlens_q=batch.cu_seqlens_q[lo:hi + 1] - t0,
+        context_lens=batch.context_lens[lo:hi],
+        logits_indices=rows(logits).to(dev),
+        max_query_len=max(cu[i + 1] - cu[i] for i in range(lo, hi)),
+        max_context_len=max(ctx[lo:hi]),
+        prompt_indices=None if prompt is None else rows(prompt).to(dev),
+    )
+
+
+def split_batch(batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch]:
+    """Two micro-batches of whole sequences, about half the tokens each, in order (A's tokens, then
+    B's): their hidden states concatenated are the batch's rows, and A's logits rows followed by B's
+    (offset by A's tokens) are ``batch.logits_indices`` (``merge_indices``).
+
+    Reads the small index tensors on the host (cu_seqlens_q, context_lens, logits/prompt indices):
+    free on CPU, one small device-to-host copy per overlapped step on a GPU."""
+    cu = batch.cu_seqlens_q.tolist()
+    ctx = batch.context_lens.tolist()
+    logits = batch.logits_indices.cpu()
+    prompt = None if batch.prompt_indices is None else batch.prompt_indices.cpu()
+    s = split_point(cu)
+    b = batch.num_seqs
+    latest = ForwardBatch.latest
+    try:
+        return (_sub_batch(batch, 0, s, cu, ctx, logits, prompt), _sub_batch(batch, s, b, cu, ctx, logits, prompt))
+    finally:
+        ForwardBatch.latest = latest  # the micro-batches are views of the step's batch, not a new step
+
+
+def merge_indices(a: ForwardBatch, b: ForwardBatch, num_tokens_a: int) -> torch.Tensor:
+    """The step's logits indices from its micro-batches' (B's rows offset by A's tokens)."""
+    return torch.cat((a.logits_indices, b.logits_indices + num_tokens_a))
+
+
+# ---------------------------------------------------------------------------------------- stages
+
+
+@contextlib.contextmanager
+def _deferred() -> Iterator[list]:
+    """TP all-reduces issued inside are launched with async_op=True; their Work handles collect in
+    the yielded list (``parallel_state.tp_all_reduce`` reads ``ParallelState.deferred``)."""
+    s = ps.get_parallel_state()
+    prev, works = s.deferred, []
+    s.deferred = works
+    try:
+        yield works
+    finally:
+        s.deferred = prev
+    if len(works) > 1:
+        for w in works:
+            w.wait()
+        raise RuntimeError(f"a deferred module call issued {len(works)} collectives; only its last may be deferred "
+                           "(its ends_in_all_reduce is wrong)")
+
+
+_stages_of: dict[type, bool] = {}
+
+
+def _has_stages(cls: type) -> bool:
+    """Whether ``cls.forward_stages`` is its forward (a subclass that overrides ``forward`` but not
+    ``forward_stages`` is called through its ``forward``)."""
+    known = _stages_of.get(cls)
+    if known is None:
+        def owner(name: str) -> type | None:
+            return next((k for k in cls.__mro__ if name in k.__dict__), None)
+
+        st, fw = owner("forward_stages"), owner("forward")
+        known = _stages_of[cls] = st is not None and fw is not None and issubclass(st, fw)
+    return known
+
+
+def call(module: Any, *args: Any) -> Stages:
+    """Stages of one module call (``x = yield from call(m, ...)``): the module's own stages if it has
+    ``forward_stages``; in an overlapped step, a module that ``ends_in_all_reduce`` is called with
+    its all-reduce launched asynchronously, and its Work handles are yielded (a yield point); else a
+    plain call (no yield)."""
+    if _has_stages(type(module)):
+        return (yield from module.forward_stages(*args))
+    if _overlapping and getattr(module, "ends_in_all_reduce", False):
+        with _deferred() as works:
+            out = module.forward(*args)
+        yield works
+        return out
+    return module.forward(*args)
+
+
+def run_plain(stages: Stages) -> Any:
+    """Drain one generator of stages at once, waiting on whatever a stage launched (plain path)."""
+    try:
+        while True:
+            for w in next(stages):
+                w.wait()
+    except StopIteration as done:
+        return done.value
+
+
+def run_overlapped(first: Stages, second: Stages) -> tuple[Any, Any]:
+    """Alternate two micro-batches' stages: run one's next stage (its collectives launched), then
+    the other's, waiting on a micro-batch's pending collectives only just before its next stage.
+    A micro-batch that finishes early lets the other run on alone. Returns both results."""
+    global _overlapping
+    gens = [first, second]
+    pending: list[list] = [[], []]
+    results: list[Any] = [None, None]
+    live = [0, 1]
+    prev, _overlapping = _overlapping, True
+    try:
+        while live:
+            for i in list(live):
+                for w in pending[i]:
+                    w.wait()
+                try:
+                    pending[i] = next(gens[i])
+                except StopIteration as done:
+                    pending[i], results[i] = [], done.value
+                    live.remove(i)
+    finally:
+        _overlapping = prev
+        for p in pending:  # an error: leave no launched collective unwaited
+            for w in p:
+                with contextlib.suppress(Exception):
+                    w.wait()
+    return results[0], results[1]
+
+
+def forward(model: Any, batch: ForwardBatch) -> torch.Tensor:
+    """Hidden states [T, H] of ``batch`` through ``model.forward_stages(micro_batch)`` for its two
+    micro-batches, overlapped; rows in the batch's order (A's tokens, then B's)."""
+    a, b = split_batch(batch)
+    ha, hb = run_overlapped(model.forward_stages(a), model.forward_stages(b))
+    return torch.cat((ha, hb))
+
