@@ -57,6 +57,9 @@ from tokenfab.kernels.paged import (
     gather_kv,
 )
 
+#: The split count of every MLA call in batch-invariant mode is at most this (``mla_config``).
+INVARIANT_MAX_SPLITS = 8
+
 # The references process long prefills in query chunks of about this many score elements (fp32).
 REF_CHUNK_ELEMENTS = 1 << 26
 
@@ -234,9 +237,13 @@ def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int
     ``invariant`` (None: ``kernels.batch_invariant``'s current mode): a lone token's split count and
     the mixed-batch tiles for every call, so a token's splits, tile shapes and merge, hence its bits,
     are the same in a decode step and as a verify row of a mixed step (MTP / speculative verify);
-    16-bit decode with 64+ heads then gives up its 64-head tiles.
+    16-bit decode with 64+ heads then gives up its 64-head tiles. The count is capped at
+    ``INVARIANT_MAX_SPLITS``: every head's partial row is as wide as the latent (r fp32 values per
+    split against one 576-value latent row read per key shared by all heads), so DeepSeek-V3's 32
+    lone-token splits would move ~7x the cache's bytes in partials at 64 sequences x 2,048 keys.
     """
-    if invariant if invariant is not None else batch_invariant():
+    invariant = invariant if invariant is not None else batch_invariant()
+    if invariant:
         num_tokens, decode_only = 1, False
     fp32 = dtype == torch.float32
     if fp32:
@@ -249,6 +256,8 @@ def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int
     splits = 1
     while num_tokens * head_blocks * splits < 4 * num_sms and splits < MAX_DECODE_SPLITS:
         splits *= 2
+    if invariant:
+        splits = min(splits, INVARIANT_MAX_SPLITS)
     return dict(
         NUM_SPLITS=splits,
         BLOCK_H=block_h,
