@@ -400,6 +400,44 @@ def test_triton_mla_verify_rows_equal_decode_rows(dtype, gen, monkeypatch):
     torch.testing.assert_close(mixed.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.slow  # ~20 s: two tiny models through every Triton kernel in the interpreter
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_triton_tiny_model_verify_logits_equal_decode_logits(model_type, tmp_path, monkeypatch):
+    """End to end through the Triton kernels (interpreter) with the runner in batch-invariant mode:
+    a tiny random model's logits for k + 1 = 4 tokens by decode steps equal one extend's, alone and
+    beside another sequence's decode (linears: the invariant matmul; attention: decode rows)."""
+    from tests.kernels.test_matmul_invariant import row_wise_interpreter_dot
+    from tests.tiny_models import save_tiny_model, tiny_config
+    from tokenfab.engine.model_runner import ModelRunner
+    from tokenfab.kernels import matmul_invariant
+    from tokenfab.loader.model_loader import load_model
+
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    row_wise_interpreter_dot(monkeypatch)
+    calls = []
+    orig = matmul_invariant._matmul_invariant_triton
+    monkeypatch.setattr(matmul_invariant, "_matmul_invariant_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    save_tiny_model(tiny_config(model_type), tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, torch.device("cpu"), max_model_len=256, load_tokenizer=False)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32, block_size=16, num_blocks=16)
+    runner.batch_invariant = True
+    rng = np.random.default_rng(1)
+    prefix, new, other = (rng.integers(0, 320, n).tolist() for n in (37, 4, 20))
+    t_a, t_b = [0, 1, 2], [3, 4]
+    with torch.inference_mode():
+        _forward(runner, [(prefix, 0, t_a), (other, 0, t_b)])
+        snapshot = runner.kv_cache.clone()
+        decode = torch.cat([_forward(runner, [([tok], 37 + i, t_a)]) for i, tok in enumerate(new)])
+        runner.kv_cache.copy_(snapshot)
+        extend = _forward(runner, [(new, 37, t_a)])
+        runner.kv_cache.copy_(snapshot)
+        mixed = _forward(runner, [([5], 20, t_b), (new, 37, t_a)])[1:]
+    assert calls, "the invariant matmul did not run"
+    for name, got in (("extend", extend), ("extend beside a decode", mixed)):
+        bad = [i for i in range(4) if not torch.equal(got[i], decode[i])]
+        assert not bad, f"{name}: positions {bad} differ from plain decode (max {(got - decode).abs().max():.3g})"
+
+
 # ---------------------------------------------------------------- the switch belongs to the runner
 
 

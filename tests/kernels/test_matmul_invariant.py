@@ -35,6 +35,10 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(autouse=True)
 def _row_wise_interpreter_dot(monkeypatch):
+    row_wise_interpreter_dot(monkeypatch)
+
+
+def row_wise_interpreter_dot(monkeypatch) -> None:
     """In the interpreter, ``tl.dot`` computes each row by the same (1-row) numpy call, as the GPU's
     MMA computes each row of a tile by the same datapath (see the module docstring)."""
     if HAS_CUDA:
