@@ -127,21 +127,21 @@ def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_re
         stats = client.get_stats()
         assert stats.num_total_blocks == sum(c.get_stats().num_total_blocks for c in client.clients)
         # a replica dies with requests in flight: they fail with the reason, the others finish
-        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         for i in range(4):
             client.add_request(f"long{i}", PROMPTS[i], long)
         owners = {rid: r for rid, r in client.owner.items()}
         assert set(owners.values()) == {0, 1}
         client.step(200)
         os.kill(client.clients[1].core_pid, signal.SIGKILL)
-        done = _drain(client, set(owners), timeout=120)
+        done = _drain(client, set(owners), timeout=600)
         assert set(done) == set(owners)
         for rid, r in owners.items():
             co = done[rid].outputs[0]
             if r == 1:
                 assert co.finish_reason == "error" and "replica 1" in done[rid].error
             else:
-                assert co.finish_reason == "length" and len(co.token_ids) == 200
+                assert co.finish_reason == "length" and len(co.token_ids) == 40
         assert not client.is_dead
         client.add_request("after", PROMPTS[0], GREEDY)  # routed around the dead replica
         assert client.owner["after"] == 0
@@ -166,7 +166,7 @@ def test_serve_data_parallel_2_streams_the_one_engine_tokens(expected):
     texts = [tok.decode(ids) for ids in expected]
     server = ServeProcess("--data-parallel-size", "2", "--max-model-len", "256", "--no-access-log")
     try:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as c:
             for k, (prompt, text) in enumerate(zip(PROMPTS, texts)):
                 body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "stream": bool(k % 2)}
                 if not body["stream"]:

@@ -79,7 +79,7 @@ def test_tp2_spawned_workers_same_tokens_as_one_process(tmp_path):
 def test_tp3_bundled_model_same_tokens_as_one_process():
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time",
                "The capital of France is a city that"]
-    args = dict(max_model_len=256, block_size=4, max_num_batched_tokens=16, num_kv_blocks=40, max_num_seqs=4)
+    args = dict(max_model_len=256, block_size=4, max_num_batched_tokens=16, num_kv_blocks=14, max_num_seqs=4)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     seeded = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=12, ignore_eos=True) for i in range(5)]
     one = LLM(**args)

@@ -52,6 +52,12 @@ class TPWorker:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
+        # what LLMEngine does to the model after the load, so both sides run the same forward
+        from tokenfab.distributed import two_batch
+        from tokenfab.quant.kv_fp8 import configure_kv_cache
+
+        configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
+        two_batch.configure_from_args(args)  # --enable-two-batch-overlap: every rank splits alike
         from tokenfab.quant.kv_fp8 import configure_kv_cache
 
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # as on rank 0
