@@ -85,8 +85,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("sms", [1, 3])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"k{c[0]}-n{c[1]}-{'b' if c[2] else 'nb'}-{str(c[3])[6:]}")
+# the interpreter's own count (1: one program walks every tile) on one case, 3 persistent programs on all
+RUNS = [(CASES[0], 1)] + [(c, 3) for c in CASES]
+
+
+@pytest.mark.parametrize("case,sms", RUNS, ids=[f"k{c[0]}-n{c[1]}-{'b' if c[2] else 'nb'}-{str(c[3])[6:]}-sm{m}"
+                                                for c, m in RUNS])
 def test_rows_do_not_depend_on_m(case, sms, gen, device, monkeypatch):
     k, n, use_bias, dtype = case
     if device.type == "cpu":
