@@ -240,6 +240,7 @@ def _tp_rank(rank: int, tp: int, model: str, engine_kwargs: dict) -> dict:
         two_batch.forward = orig
         two_batch.configure(False)
     return {"tokens": out["tokens"], "sampled": out["sampled"], "overlapped": len(calls),
+            "deferred": two_batch.stats["deferred_collectives"],
             "preemptions": out["preemptions"], "prefix_hits": out["prefix_hits"], "chunked": out["chunked"]}
 
 
@@ -258,6 +259,7 @@ def test_tp2_llama_tbo_equals_plain_and_one_process(tmp_path):
         assert o["tokens"] == p["tokens"] == one["tokens"]
         assert o["sampled"] == p["sampled"] == one["sampled"]
         assert p["overlapped"] == 0 and o["overlapped"] > 0
+        assert p["deferred"] == 0 and o["deferred"] >= o["overlapped"] * 2 * 2 * 2  # 2 layers x 2 reduces x 2 halves
         assert o["preemptions"] > 0 and o["prefix_hits"] > 0 and o["chunked"]
 
 
@@ -278,7 +280,8 @@ def _ep_rank(rank: int, path: str, tp: int, tbo: bool) -> dict:
     finally:
         two_batch.forward = orig
         two_batch.configure(False)
-    return {"tokens": first + tokens, "preempted": pre1 + pre2, "overlapped": len(calls)}
+    return {"tokens": first + tokens, "preempted": pre1 + pre2, "overlapped": len(calls),
+            "deferred": two_batch.stats["deferred_collectives"]}
 
 
 @pytest.mark.slow
@@ -300,3 +303,5 @@ def test_ep2_qwen3_moe_tbo_equals_plain_and_one_process(tmp_path, tp):
     for p, o in zip(plain, over):
         assert o["tokens"] == p["tokens"] == ref
         assert p["overlapped"] == 0 and o["overlapped"] > 0 and o["preempted"] > 0
+        # every overlapped step launched its all-to-alls (and at TP 2 its all-reduces) asynchronously
+        assert p["deferred"] == 0 and o["deferred"] >= o["overlapped"] * 2 * 3

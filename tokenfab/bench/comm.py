@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--ep", action="store_true",
                    help="expert parallel over the ranks (MoE models; normal-mode all-to-all, counted as sent)")
+    p.add_argument("--tbo", action="store_true", help="instead: step time with vs without two-batch overlap "
+                   "(bench/tbo.py; --model default there: a random small Llama)")
+    p.add_argument("--tbo-tokens", type=int, nargs="+", default=[64, 256, 1024], help="--tbo: tokens per step")
+    p.add_argument("--tbo-seqs", type=int, default=4, help="--tbo: sequences per step")
     p.add_argument("--json", default=None)
 
 
@@ -132,6 +136,11 @@ def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int, ep: bool =
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.tbo:
+        from tokenfab.bench.tbo import run as run_tbo
+
+        return run_tbo(args)
 
     torch.set_num_threads(args.threads)  # TP 1 gets what one rank gets: 1 vs N ranks of equal threads
     base = decode_run(args.model, args.batch, args.prompt_len, args.steps)  # TP 1, this process

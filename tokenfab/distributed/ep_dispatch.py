@@ -30,6 +30,10 @@ low-latency mode (decode; static shapes, no count exchange, no host sync: safe u
 fit the capacity: decode batches), "normal" or "low_latency". Every rank of the EP group must take
 the same mode in a step; in SPMD runs (same batch everywhere) "auto" does; under attention-DP the
 runner sets it from the batch sizes the DP ranks exchange.
+
+Each all-to-all is a yield point (``*_stages`` generators, ``two_batch.collective``): in a two-batch
+overlapped step (distributed/two_batch.py) it is launched asynchronously and the other micro-batch
+computes before this one waits; otherwise the generators are drained at once (same code, same result).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Protocol
 import torch
 
 from tokenfab.distributed import parallel_state as ps
+from tokenfab.distributed import two_batch
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MODES = ("auto", "normal", "low_latency")
@@ -81,9 +86,17 @@ def dispatch_combine(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, exper
                      ep_size: int, num_local: int, mode: str, capacity: int,
                      a2a: AllToAll = ps.ep_all_to_all) -> torch.Tensor:
     """The routed experts' output [T, H] for this rank's tokens (see the module docstring)."""
+    return two_batch.run_plain(dispatch_combine_stages(x, phys, w, expert_fn, ep_size, num_local, mode, capacity,
+                                                       a2a))
+
+
+def dispatch_combine_stages(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn,
+                            ep_size: int, num_local: int, mode: str, capacity: int,
+                            a2a: AllToAll = ps.ep_all_to_all) -> two_batch.Stages:
+    """``dispatch_combine`` as stages: a yield point after each all-to-all (two-batch overlap)."""
     if mode == "low_latency":
-        return low_latency(x, phys, w, expert_fn, ep_size, num_local, capacity, a2a)
-    return normal(x, phys, w, expert_fn, ep_size, num_local, a2a)
+        return (yield from low_latency_stages(x, phys, w, expert_fn, ep_size, num_local, capacity, a2a))
+    return (yield from normal_stages(x, phys, w, expert_fn, ep_size, num_local, a2a))
 
 
 def _sum_slots(pair_out: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,6 +105,11 @@ def _sum_slots(pair_out: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> to
 
 def normal(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn, ep_size: int,
            num_local: int, a2a: AllToAll = ps.ep_all_to_all) -> torch.Tensor:
+    return two_batch.run_plain(normal_stages(x, phys, w, expert_fn, ep_size, num_local, a2a))
+
+
+def normal_stages(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn, ep_size: int,
+                  num_local: int, a2a: AllToAll = ps.ep_all_to_all) -> two_batch.Stages:
     t, h = x.shape
     k = phys.shape[1]
     phys = phys.long()
@@ -104,10 +122,10 @@ def normal(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: Expe
     match = dest[send_tok] == row_dest[:, None]  # [n, k]: which of the row's slots that rank serves
     meta = torch.cat((torch.where(match, local[send_tok], -1).to(torch.float32),
                       torch.where(match, w[send_tok].float(), 0.0)), dim=1)
-    recv_counts = a2a(send_counts, kind="count_exchange")
+    recv_counts = yield from two_batch.collective(a2a, send_counts, kind="count_exchange")
     send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-    recv_x = a2a(x[send_tok], send_split, recv_split, kind="dispatch")
-    recv_meta = a2a(meta, send_split, recv_split, kind="dispatch_meta")
+    recv_x = yield from two_batch.collective(a2a, x[send_tok], send_split, recv_split, kind="dispatch")
+    recv_meta = yield from two_batch.collective(a2a, meta, send_split, recv_split, kind="dispatch_meta")
     recv_ids, recv_w = recv_meta[:, :k].to(torch.int64), recv_meta[:, k:]
     valid = recv_ids >= 0
     pr, pj = torch.nonzero(valid, as_tuple=True)  # row-major: by source rank, row, slot
@@ -116,7 +134,7 @@ def normal(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: Expe
     src_of_row = torch.repeat_interleave(torch.arange(ep_size, device=x.device), recv_counts.to(x.device))
     per_src.index_add_(0, src_of_row, valid.sum(dim=1))
     back_split = torch.bincount(dest.flatten(), minlength=ep_size).tolist()
-    back = a2a(y, per_src.tolist(), back_split, kind="combine")
+    back = yield from two_batch.collective(a2a, y, per_src.tolist(), back_split, kind="combine")
     si, sj = torch.nonzero(match, as_tuple=True)  # the same (row, slot) order the receivers used
     pair_out = x.new_zeros(t * k, h)
     pair_out[send_tok[si] * k + sj] = back
@@ -125,6 +143,11 @@ def normal(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: Expe
 
 def low_latency(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn, ep_size: int,
                 num_local: int, capacity: int, a2a: AllToAll = ps.ep_all_to_all) -> torch.Tensor:
+    return two_batch.run_plain(low_latency_stages(x, phys, w, expert_fn, ep_size, num_local, capacity, a2a))
+
+
+def low_latency_stages(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn: ExpertFn, ep_size: int,
+                       num_local: int, capacity: int, a2a: AllToAll = ps.ep_all_to_all) -> two_batch.Stages:
     t, h = x.shape
     k = phys.shape[1]
     if t > capacity:
@@ -141,9 +164,9 @@ def low_latency(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, expert_fn:
     send[slot] = x.repeat_interleave(k, dim=0)
     send_w = torch.zeros(p * capacity, dtype=torch.float32, device=x.device)
     send_w[slot] = w.reshape(-1).float()
-    recv = a2a(send, kind="dispatch_ll")
-    recv_w = a2a(send_w, kind="dispatch_ll_meta")
+    recv = yield from two_batch.collective(a2a, send, kind="dispatch_ll")
+    recv_w = yield from two_batch.collective(a2a, send_w, kind="dispatch_ll_meta")
     ids = (torch.arange(p * capacity, device=x.device, dtype=torch.int32) // capacity) % num_local
     y = expert_fn(recv, recv_w[:, None], ids[:, None])
-    back = a2a(y, kind="combine_ll")
+    back = yield from two_batch.collective(a2a, y, kind="combine_ll")
     return _sum_slots(back[slot], t, k, x.dtype)

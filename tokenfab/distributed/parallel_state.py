@@ -49,8 +49,8 @@ class ParallelState:
     ep_size: int = 1
     ep_group: dist.ProcessGroup | None = None
     ep_redundant: int = 0  # EPLB: redundant physical experts per MoE layer (all ranks together)
-    # two-batch overlap (distributed/two_batch.py): when a list, tp_all_reduce launches async_op and
-    # appends its Work here (the stage runner waits before the result is read)
+    # two-batch overlap (distributed/two_batch.py): when a list, tp_all_reduce / ep_all_to_all launch
+    # async_op and append their Work here (the stage runner waits before the result is read)
     deferred: list | None = None
 
 
@@ -171,8 +171,24 @@ def ep_all_to_all(x: torch.Tensor, send_splits: list[int] | None = None, recv_sp
     if s.counter is not None:
         own = send_splits[s.ep_rank] if send_splits is not None else x.shape[0] // s.ep_size
         s.counter.add_bytes(kind, (x.shape[0] - own) * row)
+    if s.deferred is not None:  # two-batch overlap: launched; the stage runner waits (keeps x alive)
+        work = dist.all_to_all_single(out, x, recv_splits, send_splits, group=s.ep_group, async_op=True)
+        s.deferred.append(_Pending(work, x))
+        return out
     dist.all_to_all_single(out, x, recv_splits, send_splits, group=s.ep_group)
     return out
+
+
+class _Pending:
+    """A launched collective and its input, held until ``wait()`` (two-batch overlap)."""
+
+    def __init__(self, work: dist.Work, keep: torch.Tensor) -> None:
+        self.work, self.keep = work, keep
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.keep = None
+        return True
 
 
 def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:

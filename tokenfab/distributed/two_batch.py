@@ -24,8 +24,12 @@ before it arrived).
 
 Every rank of a group must issue the same collectives in the same order: the split and the switch
 depend only on the batch (the same on every TP rank) and on the configuration (the same flags on
-every rank). On CPU gloo ranks sharing two cores the figures are informational: compute and the
-collective's thread compete for the same cores (``tokenfab bench comm --tbo``).
+every rank). Ranks that run different batches (attention data-parallel) would have to agree on the
+switch and on each micro-batch's EP dispatch mode first: not done here.
+
+Measured (``tokenfab bench comm --tbo``) only on CPU gloo ranks sharing two loaded cores, where it
+is informational: the collective's gloo thread competes with the other micro-batch's compute for the
+same cores, and loopback is not NVLink. The switch is off by default.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ from tokenfab.forward_batch import ForwardBatch
 Stages = Generator[list, None, Any]
 
 # default switch point (tokens in the step): below it the split costs more than the overlap can save
-# (two half-size launches of every kernel). Measured on CPU gloo only (tokenfab bench comm --tbo, see
-# README "Parallelism"): informational; re-measure on the GPU interconnect before relying on it.
-DEFAULT_MIN_TOKENS = 256
+# (two half-size launches of every kernel). From CPU gloo only (tokenfab bench comm --tbo, 2 ranks, a
+# 4-layer H 512 Llama, 4 sequences; benchmarks/results/cpu_tbo_llama_tp2.json): plain/TBO 0.60-0.86 at
+# 256 tokens, 0.96-1.04 at 1024, 1.21-1.67 at 2048 (three runs on a loaded shared machine).
+# Informational; re-measure on the GPU interconnect before relying on it.
+DEFAULT_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -57,6 +63,8 @@ class TBOConfig:
 
 _config = TBOConfig()
 _overlapping = False  # inside run_overlapped: module calls that end in a collective are deferred
+# collectives launched asynchronously so far in this process (tests check that overlap really happened)
+stats = {"overlapped_steps": 0, "deferred_collectives": 0}
 
 
 def configure(enabled: bool, min_tokens: int | None = None) -> TBOConfig:
@@ -82,6 +90,8 @@ def wanted(batch: ForwardBatch) -> bool:
     > 1), at least ``min_tokens`` tokens and two sequences to split."""
     if not _config.enabled or _overlapping:
         return False
+    if batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # CUDA graph capture: the split reads index tensors on the host
     s = ps.get_parallel_state()
     return (s.tp_size > 1 or s.ep_size > 1) and batch.num_tokens >= _config.min_tokens and batch.num_seqs >= 2
 
@@ -151,10 +161,15 @@ def merge_indices(a: ForwardBatch, b: ForwardBatch, num_tokens_a: int) -> torch.
 # ---------------------------------------------------------------------------------------- stages
 
 
+def overlapping() -> bool:
+    """Whether an overlapped step is running (stages may launch their collectives and yield)."""
+    return _overlapping
+
+
 @contextlib.contextmanager
-def _deferred() -> Iterator[list]:
-    """TP all-reduces issued inside are launched with async_op=True; their Work handles collect in
-    the yielded list (``parallel_state.tp_all_reduce`` reads ``ParallelState.deferred``)."""
+def deferred() -> Iterator[list]:
+    """TP all-reduces and EP all-to-alls issued inside are launched with async_op=True; their Work
+    handles collect in the yielded list (``parallel_state`` reads ``ParallelState.deferred``)."""
     s = ps.get_parallel_state()
     prev, works = s.deferred, []
     s.deferred = works
@@ -162,11 +177,12 @@ def _deferred() -> Iterator[list]:
         yield works
     finally:
         s.deferred = prev
+    stats["deferred_collectives"] += len(works)
     if len(works) > 1:
         for w in works:
             w.wait()
         raise RuntimeError(f"a deferred module call issued {len(works)} collectives; only its last may be deferred "
-                           "(its ends_in_all_reduce is wrong)")
+                           "(a deferred call must end in its only collective)")
 
 
 _stages_of: dict[type, bool] = {}
@@ -186,18 +202,31 @@ def _has_stages(cls: type) -> bool:
 
 
 def call(module: Any, *args: Any) -> Stages:
-    """Stages of one module call (``x = yield from call(m, ...)``): the module's own stages if it has
-    ``forward_stages``; in an overlapped step, a module that ``ends_in_all_reduce`` is called with
-    its all-reduce launched asynchronously, and its Work handles are yielded (a yield point); else a
-    plain call (no yield)."""
+    """Stages of one module call (``x = yield from call(m, ...)``). In an overlapped step: the
+    module's own stages if it has ``forward_stages``, else, for a module that ``ends_in_all_reduce``,
+    the call with its all-reduce launched asynchronously and its Work handles yielded (a yield point),
+    else a plain call. Outside one: ``module.forward`` (which drains its own stages), no yield.
+    (Plain-path cost: a generator frame per call, ~1 us a layer on this CPU, measured.)"""
+    if not _overlapping:
+        return module.forward(*args)
     if _has_stages(type(module)):
         return (yield from module.forward_stages(*args))
-    if _overlapping and getattr(module, "ends_in_all_reduce", False):
-        with _deferred() as works:
-            out = module.forward(*args)
-        yield works
-        return out
+    if getattr(module, "ends_in_all_reduce", False):
+        return (yield from collective(module.forward, *args))
     return module.forward(*args)
+
+
+def collective(fn: Any, *args: Any, **kwargs: Any) -> Stages:
+    """``out = yield from collective(fn, ...)``: a yield point after ``fn``, whose last operation is
+    its only collective (``tp_all_reduce``, ``ep_all_to_all``): in an overlapped step the collective
+    is launched asynchronously and the stage ends; ``out`` is read only after its wait. Otherwise a
+    plain call."""
+    if not _overlapping:
+        return fn(*args, **kwargs)
+    with deferred() as works:
+        out = fn(*args, **kwargs)
+    yield works
+    return out
 
 
 def run_plain(stages: Stages) -> Any:
@@ -243,6 +272,7 @@ def forward(model: Any, batch: ForwardBatch) -> torch.Tensor:
     """Hidden states [T, H] of ``batch`` through ``model.forward_stages(micro_batch)`` for its two
     micro-batches, overlapped; rows in the batch's order (A's tokens, then B's)."""
     a, b = split_batch(batch)
+    stats["overlapped_steps"] += 1
     ha, hb = run_overlapped(model.forward_stages(a), model.forward_stages(b))
     return torch.cat((ha, hb))
 

@@ -111,7 +111,7 @@ class EngineArgs:
                             "while the other computes (same tokens; measured only on CPU gloo, where it is "
                             "informational: tokenfab bench comm --tbo)")
         parser.add_argument("--tbo-min-tokens", type=int, default=None,
-                            help="two-batch overlap only for steps of at least this many tokens (default 256)")
+                            help="two-batch overlap only for steps of at least this many tokens (default 1024)")
 
         parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                             help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "

@@ -17,7 +17,7 @@ import re
 import torch
 from torch import nn
 
-from tokenfab.distributed import ep_dispatch
+from tokenfab.distributed import ep_dispatch, two_batch
 from tokenfab.distributed import parallel_state as ps
 from tokenfab.distributed.eplb import ExpertPlacement, identity_placement, rebalance_experts, select_replica
 from tokenfab.kernels import silu_and_mul
@@ -34,6 +34,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias,
                                          parallel="column")
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, parallel="row")
+
+    @property
+    def ends_in_all_reduce(self) -> bool:  # two-batch overlap: down_proj's all-reduce is the last op
+        return getattr(self.down_proj, "reduce_output", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -165,14 +169,19 @@ class FusedMoE(nn.Module):
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # no host sync
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return two_batch.run_plain(self.forward_stages(x))
+
+    def forward_stages(self, x: torch.Tensor) -> two_batch.Stages:
+        """The layer with a yield point after each collective (two-batch overlap: EP all-to-alls, the
+        TP-split experts' all-reduce); ``forward`` drains it at once."""
         if self.ep_size > 1:
-            out = self._forward_ep(x)
+            out = yield from self._forward_ep(x)
         else:
             weights, ids = self.route(x)
             self._count_load(ids)
             out = self.experts(x, weights, ids)
             if self.tp_sharded:
-                out = ps.tp_all_reduce(out)
+                out = yield from two_batch.collective(ps.tp_all_reduce, out)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -180,7 +189,7 @@ class FusedMoE(nn.Module):
             out = out + shared
         return out
 
-    def _forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_ep(self, x: torch.Tensor) -> two_batch.Stages:
         t = x.shape[0]
         chunk = -(-t // self.tp_size)
         xs = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk] if self.tp_size > 1 else x
@@ -190,8 +199,8 @@ class FusedMoE(nn.Module):
         mode, capacity = ep_dispatch.ep_mode()
         if mode == "auto":  # decode-sized batches go the static low-latency way; decided on the
             mode = "low_latency" if chunk <= capacity else "normal"  # TP group's common chunk size
-        out = ep_dispatch.dispatch_combine(xs, phys, weights, self.experts, self.ep_size, self.num_local_experts,
-                                           mode, capacity)
+        out = yield from ep_dispatch.dispatch_combine_stages(xs, phys, weights, self.experts, self.ep_size,
+                                                             self.num_local_experts, mode, capacity)
         if self.tp_size > 1:
             if out.shape[0] < chunk:
                 out = torch.cat((out, out.new_zeros(chunk - out.shape[0], out.shape[1])))
