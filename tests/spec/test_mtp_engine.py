@@ -108,8 +108,8 @@ def test_first_draft_follows_the_restatement_and_outputs_are_unchanged(tmp_path)
         return out, qs
 
     prop.draft = spy
-    prompts = random_prompts(320, (3, 11, 30))
-    assert outputs(spec, prompts, 12) == outputs(plain_llm(str(tmp_path), **kw), prompts, 12)
+    prompts = random_prompts(320, (3, 21))
+    assert outputs(spec, prompts, 10) == outputs(plain_llm(str(tmp_path), **kw), prompts, 10)
     checked = 0
     for tokens, drafts in seen[:: max(len(seen) // 4, 1)]:
         with torch.no_grad():
