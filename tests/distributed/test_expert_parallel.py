@@ -244,21 +244,23 @@ def _layer_rank(rank: int, tp: int, ep_on: bool, redundant: int, mode: str) -> d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep_on,redundant,mode", [
-    (1, True, 2, "normal"), (1, True, 2, "low_latency"), (2, True, 0, "auto"), (2, False, 0, "auto"),
+@pytest.mark.parametrize("world,tp,ep_on,redundant,mode", [
+    (2, 1, True, 2, "normal"), (2, 1, True, 2, "low_latency"), (2, 2, True, 0, "auto"), (2, 2, False, 0, "auto"),
+    (4, 2, True, 4, "auto"),
 ])
-def test_fused_moe_layer_across_processes(tp, ep_on, redundant, mode):
-    """EP 2 (EPLB 2 redundant experts), TP 2 + EP 2 and TP 2 without EP: the layer equals one process,
-    bit for bit with EP (row-invariant products), within float32 rounding for the TP split (partial
-    sums all-reduced); rebalance() from the measured load moves the weights and keeps the output."""
+def test_fused_moe_layer_across_processes(world, tp, ep_on, redundant, mode):
+    """EP 2 (EPLB 2 redundant experts), TP 2 + EP 2, TP 2 without EP, and a world of 4 (TP 2 x DP 2,
+    EP 4, 4 redundant): the layer equals one process, bit for bit with EP (row-invariant products),
+    within float32 rounding for the TP split (partial sums all-reduced); rebalance() from the
+    measured load moves the weights and keeps the output."""
     from tests.distributed.launch import run_ranks
 
-    res = run_ranks(_layer_rank, 2, tp, ep_on, redundant, mode)
+    res = run_ranks(_layer_rank, world, tp, ep_on, redundant, mode)
     for r in res:
         assert set(r["done"]) == {"w13_weight", "w2_weight", "w13_bias", "w2_bias"}  # every local slot loaded
         if ep_on:
             assert r["exact"], r["diff"]
-            assert r["num_local"] == (E_LAYER + redundant) // 2
+            assert r["num_local"] == (E_LAYER + redundant) // world
             assert r["exact_after_rebalance"]
             assert r["after"] != r["before"] or redundant == 0
         else:
@@ -270,9 +272,9 @@ def test_fused_moe_layer_across_processes(tp, ep_on, redundant, mode):
             for k, b in r["calls"]:
                 sent[k] = sent.get(k, 0) + b
             assert sent["dispatch"] == r["remote_copies"] * H * 4  # a row once per other rank it visits
-            assert sent["count_exchange"] == 8  # one int64 to the other rank
+            assert sent["count_exchange"] == 8 * (world - 1)  # one int64 to each other rank
     if ep_on:  # the load counters saw every pair each rank routed (SPMD: its TP share of the tokens)
-        assert sum(sum(r["load"]) for r in res) == 2 * (T_LAYER // tp) * K_LAYER
+        assert sum(sum(r["load"]) for r in res) == world * (T_LAYER // tp) * K_LAYER
 
 
 def _moe_model_paths(tmp_path_factory) -> dict:
