@@ -168,3 +168,13 @@ def test_comm_bytes_match_plan(tiny_qwen3):
     assert all(r["calls"] == calls for r in ranks)
     measured = ring_bytes(calls, 2) / 4
     assert measured == pytest.approx(plan_bytes_per_token(ranks[0]["config"], 2, 4), rel=1e-12)
+
+
+def test_deepseek_v32_dsa_tp2(tmp_path):
+    """DSA: the MLA heads split as in V3; the lightning indexer (its own heads) runs replicated on every
+    rank, so each picks the same top-k keys (prompts longer than index_topk 6)."""
+    from tests.models.test_deepseek_dsa import save_tiny_dsa
+
+    save_tiny_dsa("deepseek_v32", tmp_path)
+    results = check_tp(str(tmp_path), 2, layers={"Linear", "MergedLinear"})
+    assert all(r["mla_heads"] == [2] for r in results)
