@@ -2,7 +2,8 @@
 runs it: the engine core is rank 0 and spawns two worker ranks. Its streamed and non-streamed
 greedy answers equal the one-process engine's; then one worker is SIGKILLed mid-request: the
 stream in flight ends with an error within seconds, /health fails and later requests get 503 with
-a message naming the dead worker; SIGTERM still drains and exits. Slow tier (three model loads)."""
+a message naming the dead worker; the API server still stops on SIGTERM. Offline, ``LLM.generate``
+raises EngineDeadError naming the worker instead of hanging. Slow tier (processes, model loads)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,23 @@ def test_tp3_serve_matches_one_process_then_a_killed_worker_gives_503():
         assert server.proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         server.stop()
+
+
+def test_offline_llm_a_killed_worker_raises_engine_dead_not_a_hang(tmp_path):
+    from tests.tiny_models import save_tiny_model, tiny_config
+    from tokenfab.engine.errors import EngineDeadError
+
+    save_tiny_model(tiny_config("llama"), tmp_path)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        worker = llm.engine.tp.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        assert time.monotonic() - t0 < 15
+        assert not llm.engine.has_unfinished_requests()  # nothing of the failed call left queued
+    finally:
+        llm.shutdown()
