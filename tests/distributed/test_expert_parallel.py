@@ -102,9 +102,12 @@ def _routing(g, t, e, k):
     return ids, w
 
 
-@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "low_latency_static"])
 @pytest.mark.parametrize("ep,experts,redundant,k", [(2, 8, 0, 2), (4, 8, 4, 3)])
-def test_dispatch_combine_bit_identical(mode, ep, experts, redundant, k):
+def test_dispatch_combine_bit_identical(monkeypatch, mode, ep, experts, redundant, k):
+    if mode == "low_latency_static":  # the CUDA-graph path: every slot row through the experts
+        monkeypatch.setattr(ep_dispatch, "STATIC_ON_CPU", True)
+        mode = "low_latency"
     g = torch.Generator().manual_seed(ep * 10 + redundant)
     w13 = torch.randn(experts, 2 * I, H, generator=g)
     w2 = torch.randn(experts, H, I, generator=g)

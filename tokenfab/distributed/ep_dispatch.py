@@ -24,7 +24,9 @@ low-latency mode (decode; static shapes, no count exchange, no host sync: safe u
   when T <= capacity. One all-to-all of equal splits moves rows (and one their weights, 0 on
   padding); the receiver runs its L experts over all ep * L * capacity rows (padding weighs 0),
   combine returns the same buffer shape and the home rank gathers its pairs from their slots.
-  Costs: ep * L * capacity rows each way whatever the batch, the price of a static shape.
+  Costs: ep * L * capacity rows each way whatever the batch, the price of a static shape (DeepEP
+  writes only the filled slots, one-sided; all_to_all_single moves the whole buffer). On the CPU
+  (no graphs) the experts run on the filled slots only.
 
 ``set_ep_mode`` picks the mode for the following steps: "auto" (low-latency when the rank's tokens
 fit the capacity: decode batches), "normal" or "low_latency". Every rank of the EP group must take
@@ -56,6 +58,7 @@ class AllToAll(Protocol):
 
 
 _config = {"mode": "auto", "capacity": 128}
+STATIC_ON_CPU = False  # tests: the CUDA-graph-safe low-latency path (every slot row computed) on the CPU
 
 
 def set_ep_mode(mode: str = "auto", capacity: int | None = None) -> None:
@@ -167,6 +170,11 @@ def low_latency_stages(x: torch.Tensor, phys: torch.Tensor, w: torch.Tensor, exp
     recv = yield from two_batch.collective(a2a, send, kind="dispatch_ll")
     recv_w = yield from two_batch.collective(a2a, send_w, kind="dispatch_ll_meta")
     ids = (torch.arange(p * capacity, device=x.device, dtype=torch.int32) // capacity) % num_local
-    y = expert_fn(recv, recv_w[:, None], ids[:, None])
+    if x.is_cuda or STATIC_ON_CPU:  # static shapes (CUDA graphs): every slot row, padding weighs 0
+        y = expert_fn(recv, recv_w[:, None], ids[:, None])
+    else:  # no graphs on the CPU: only the filled slots (a padding row's output, 0, is never read)
+        live = torch.nonzero(recv_w).flatten()
+        y = recv.new_zeros(recv.shape)
+        y[live] = expert_fn(recv[live], recv_w[live, None], ids[live, None])
     back = yield from two_batch.collective(a2a, y, kind="combine_ll")
     return _sum_slots(back[slot], t, k, x.dtype)
