@@ -28,10 +28,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list, dict]:
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=max_tokens, ignore_eos=True)
+    """Greedy and seeded-sampled rows in one batch (rank 0 samples both)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=max_tokens, ignore_eos=True)
               for i in range(len(prompts))]
-    outs = llm.generate(prompts, greedy) + llm.generate(prompts, seeded)
+    outs = llm.generate(prompts, params)
     s = llm.engine.get_stats()
     reached = {"preemptions": s.num_preemptions_total, "prefix_hit_rate": s.prefix_cache_hit_rate}
     return [o.outputs[0].token_ids for o in outs], reached
