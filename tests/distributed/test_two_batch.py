@@ -305,3 +305,29 @@ def test_ep2_qwen3_moe_tbo_equals_plain_and_one_process(tmp_path, tp):
         assert p["overlapped"] == 0 and o["overlapped"] > 0 and o["preempted"] > 0
         # every overlapped step launched its all-to-alls (and at TP 2 its all-reduces) asynchronously
         assert p["deferred"] == 0 and o["deferred"] >= o["overlapped"] * 2 * 3
+
+
+@pytest.mark.slow
+def test_tp2_spawned_workers_with_tbo_same_tokens_as_one_process(tmp_path):
+    """The launch path: ``LLM(tensor_parallel_size=2, enable_two_batch_overlap=True)``; the spawned
+    worker configures TBO from the same EngineArgs (else the collectives would not pair up)."""
+    from tests.distributed.test_tp_launch import STRESS, _prompts, _run
+    from tests.tiny_models import save_tiny_model, tiny_config
+    from tokenfab import LLM
+
+    save_tiny_model(tiny_config("llama"), tmp_path)
+    prompts = _prompts(320)
+    one = LLM(str(tmp_path), **STRESS)
+    expected, reached = _run(one, prompts, 8)
+    del one
+    before = dict(two_batch.stats)
+    tp = LLM(str(tmp_path), tensor_parallel_size=2, enable_two_batch_overlap=True, tbo_min_tokens=4, **STRESS)
+    try:
+        got, reached_tp = _run(tp, prompts, 8)
+        assert tp.engine.tp.dead is None
+    finally:
+        tp.shutdown()
+        two_batch.configure(False)
+    assert got == expected and reached_tp == reached
+    assert two_batch.stats["overlapped_steps"] > before["overlapped_steps"]
+    assert two_batch.stats["deferred_collectives"] > before["deferred_collectives"]
