@@ -163,7 +163,7 @@ def test_serve_with_fp8_kv_cache_reports_bytes_per_token():
     from tests.server.test_cli_server import API_KEY, ServeProcess
 
     server = ServeProcess("--kv-cache-dtype", "fp8", "--max-model-len", "512", "--max-num-seqs", "4",
-                          "--no-access-log")
+                          "--kv-cache-memory", str(64 << 20), "--no-access-log")
     try:
         assert f"KV cache {BUNDLED_KV_FP8} bytes/token" in server.output
         headers = {"Authorization": f"Bearer {API_KEY}"}
