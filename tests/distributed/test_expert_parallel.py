@@ -628,3 +628,30 @@ def test_attention_dp_plus_ep_deepseek(moe_models):
     for rank, r in enumerate(res):
         assert r["tokens"] == ref[rank::2]
     assert sum(r["idle_steps"] for r in res) > 0  # the lockstep's empty batches were exercised
+
+
+@pytest.mark.slow
+def test_llm_launch_with_expert_parallel(moe_models):
+    """The user path: ``LLM(tensor_parallel_size=2, enable_expert_parallel=True)`` (the engine spawns its
+    worker) holds 4 of the 8 experts a rank and gives one process's greedy tokens."""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.layers.moe import FusedMoE
+
+    paths, _ = moe_models
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    from tokenfab.distributed import parallel_state as ps
+
+    def run(**kw):
+        llm = LLM(model=paths["qwen3_moe"], **kw)
+        try:
+            moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
+            return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)], moes
+        finally:
+            llm.shutdown()  # the group left: this test process is single-process again
+
+    one, _ = run()
+    ep, moes = run(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert ep == one
+    assert {(m.ep_size, m.num_local_experts) for m in moes} == {(2, 4)}
+    assert ps.get_parallel_state().ep_size == 1
