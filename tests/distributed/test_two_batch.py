@@ -8,8 +8,9 @@ so a result read before its wait changes the tokens): the greedy tokens equal th
 micro-batches interleave (B's compute runs between A's launch and A's wait), and a module that wrongly
 claims to end in its only collective is refused.
 
-Slow tier (2 gloo ranks, tests/distributed/launch.py): TP 2 on a tiny Llama and EP 2 (and TP 2 + EP
-2) on a tiny Qwen3-MoE give the same greedy tokens with TBO as without and as one process, on mixed
+Slow tier (2 gloo ranks, tests/distributed/launch.py): TP 2 on a tiny Llama and a tiny Qwen2-MoE
+(TP-split experts + shared expert), EP 2 (and TP 2 + EP 2) on a tiny Qwen3-MoE, and the spawned-worker
+launch path give the same greedy tokens with TBO as without and as one process, on mixed
 batches (chunked prefill + decodes) with prefix caching and preemption on.
 """
 
@@ -245,12 +246,16 @@ def _tp_rank(rank: int, tp: int, model: str, engine_kwargs: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_tp2_llama_tbo_equals_plain_and_one_process(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_tp2_tbo_equals_plain_and_one_process(tmp_path, arch):
+    """TP 2: tiny Llama, and tiny Qwen2-MoE without EP (experts split by TP: their all-reduce is a
+    yield point, the gated shared expert added after it; dense layers between)."""
     from tests.distributed.launch import run_ranks
     from tests.distributed.test_tp_models import generate
+    from tests.moe_tiny_models import tiny_moe_config
     from tests.tiny_models import save_tiny_model, tiny_config
 
-    save_tiny_model(tiny_config("llama"), tmp_path)
+    save_tiny_model(tiny_config("llama") if arch == "llama" else tiny_moe_config(arch), tmp_path)
     one = generate(str(tmp_path), TP_ENGINE)
     tbo = dict(TP_ENGINE, enable_two_batch_overlap=True, tbo_min_tokens=4)
     plain = run_ranks(_tp_rank, 2, 2, str(tmp_path), TP_ENGINE)
