@@ -212,8 +212,9 @@ class SpecDecoder:
         for s, k, d, q in zip(seqs, ks, drafts, qs):
             if not k:
                 continue
-            if len(d) != k or any(t < 0 or t >= self.engine.vocab_size for t in d):
-                raise RuntimeError(f"the draft module returned {d} for {k} drafts")  # a bug, not bad input
+            if len(d) != k or any(t < 0 or t >= self.engine.vocab_size for t in d):  # a bug: guess instead
+                log.warning("the draft module returned %d drafts for %d (or ids outside the vocabulary)", len(d), k)
+                d, q = [s.token_ids[-1]] * k, None
             s.spec_token_ids = list(d)
             if q is not None:
                 self._q[s.request_id] = q
