@@ -49,6 +49,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # EPLB (vLLM's shape): JSON string or dict {"num_redundant_experts": R, "step_interval": N,
+    # "window_size": W}; None: off (tokenfab/distributed/eplb_engine.py)
+    eplb_config: str | dict | None = None
     # two-batch overlap (distributed/two_batch.py): a step of >= tbo_min_tokens tokens at TP/EP > 1 runs
     # as two micro-batches, one's all-reduce in flight while the other computes; None: the default
     enable_two_batch_overlap: bool = False
@@ -59,6 +62,10 @@ class EngineArgs:
 
         parse_kv_cache_dtype(self.kv_cache_dtype)  # a bad value fails here, before the model loads
         parse_skip_layers(self.kv_cache_dtype_skip_layers)
+        from tokenfab.distributed.eplb_engine import EplbConfig
+
+        if EplbConfig.parse(self.eplb_config) is not None and not self.enable_expert_parallel:
+            raise ValueError("eplb_config needs --enable-expert-parallel (EPLB places the experts of EP ranks)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -106,6 +113,10 @@ class EngineArgs:
                             "requests go to the least loaded, prefix-cache affinity first")
         parser.add_argument("--enable-expert-parallel", action="store_true",
                             help="MoE models: shard the experts over the ranks (all-to-all dispatch)")
+        parser.add_argument("--eplb-config", default=None,
+                            help='expert-parallel load balancing as JSON, e.g. \'{"num_redundant_experts": 2, '
+                            '"step_interval": 3000, "window_size": 1000}\': R replicas of hot experts per MoE '
+                            "layer, re-placed every N steps from the load of the last min(W, N) steps")
         parser.add_argument("--enable-two-batch-overlap", action="store_true",
                             help="TP/EP > 1: split large steps into two micro-batches so one's all-reduce runs "
                             "while the other computes (same tokens; measured only on CPU gloo, where it is "

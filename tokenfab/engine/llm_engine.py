@@ -100,6 +100,7 @@ class LLMEngine:
         self._last = (0, 0, 0)
         # --async-scheduling: step N+1 is launched before step N's tokens are read (engine/overlap.py)
         self._overlap = OverlapScheduler(self) if args.async_scheduling else None
+        self.eplb = self._make_eplb(args)  # --eplb-config: experts re-placed between steps
         log.info(
             "loaded %s on %s (%s) in %.1fs; KV cache: %d blocks x %d = %d tokens",
             self.model_name, self.device, self.dtype, time.perf_counter() - t0, num_blocks,
@@ -112,6 +113,18 @@ class LLMEngine:
         if self.tp is not None:
             return self.tp.make_runner(self.model, self.device, self.dtype, block_size, num_blocks)
         return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks)
+
+    def _make_eplb(self, args: EngineArgs) -> object:
+        from tokenfab.distributed.eplb_engine import EplbConfig, EplbController
+
+        cfg = EplbConfig.parse(args.eplb_config)
+        if cfg is None:
+            return None
+        try:
+            return EplbController(cfg, self.model, self.tp.send_eplb if self.tp is not None else None)
+        except ValueError:
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); the engine serves nothing after this."""
@@ -260,6 +273,13 @@ class LLMEngine:
         their sampling, their constraint) fails only those (finish_reason "error"); a device
         error raises EngineDeadError. With async scheduling the outputs of a step come back
         from the next call (engine/overlap.py)."""
+        if self.eplb is not None:  # between steps, on every rank in lockstep (the workers by command)
+            try:
+                self.eplb.on_steps(self.num_steps)
+            except Exception as e:
+                if self.tp is None:
+                    raise
+                raise self.tp._dead_error(e) from e  # the workers may be stuck in a collective
         if self._overlap is not None:
             return self._overlap.step()
         if self.spec is not None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenfab.distributed.eplb_engine import redundant_experts
 from tokenfab.distributed.parallel_state import destroy_parallel, init_parallel
 from tokenfab.engine.errors import EngineDeadError
 from tokenfab.engine.model_runner import ModelRunner
@@ -53,6 +54,7 @@ log = logging.getLogger("tokenfab.tp")
 
 HEADER_LEN = 16
 CMD_RUNNER, CMD_FORWARD, CMD_CAPTURE, CMD_STOP = 1, 2, 3, 4
+CMD_EPLB = 5  # [EPLB, action]: reset the expert-load counters / rebalance (distributed/eplb_engine.py)
 MODE_EXECUTE, MODE_SCORING, MODE_LOGITS = 0, 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -84,10 +86,10 @@ class TPGroup:
 
 
 def join_group(rank: int, world: int, init_method: str | None, device: torch.device,
-               store: Any = None, expert_parallel: bool = False) -> TPGroup:
+               store: Any = None, expert_parallel: bool = False, num_redundant_experts: int = 0) -> TPGroup:
     """Join the default group and make the TP groups current (the same calls, in the same order,
     on every rank). ``store``: a ready ``TCPStore`` instead of ``init_method``; ``expert_parallel``:
-    also the EP group (``--enable-expert-parallel``)."""
+    also the EP group (``--enable-expert-parallel``) with EPLB's redundant experts."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if store is not None:
@@ -99,7 +101,7 @@ def join_group(rank: int, world: int, init_method: str | None, device: torch.dev
     if expert_parallel:
         from tokenfab.distributed import parallel_state
 
-        parallel_state.init_expert_parallel(True)
+        parallel_state.init_expert_parallel(True, num_redundant_experts)
     cmd = dist.new_group(list(range(world)), backend="gloo", timeout=_IDLE_TIMEOUT)
     return TPGroup(dist.get_rank(), world, device, cmd, state.tp_group)
 
@@ -209,7 +211,8 @@ class TPExecutor:
                 raise ValueError(f"--tensor-parallel-size {tp} must equal torchrun's world size {world}")
             if rank != 0:
                 raise RuntimeError("only rank 0 builds the engine; other ranks run the worker loop")
-            return cls(join_group(0, world, "env://", device, expert_parallel=args.enable_expert_parallel), [])
+            return cls(join_group(0, world, "env://", device, expert_parallel=args.enable_expert_parallel,
+                                  num_redundant_experts=redundant_experts(args)), [])
         # our own spawner: a TCPStore on a free loopback port, the workers as `python -m
         # tokenfab.engine.tp_worker` (no re-import of the caller's __main__); a worker that dies
         # before the group forms fails the start at once instead of at the rendezvous timeout
@@ -233,7 +236,8 @@ class TPExecutor:
                 if time.monotonic() > deadline:
                     raise RuntimeError("tensor-parallel workers did not join in time")
                 time.sleep(0.05)
-            group = join_group(0, tp, None, device, store=store, expert_parallel=args.enable_expert_parallel)
+            group = join_group(0, tp, None, device, store=store, expert_parallel=args.enable_expert_parallel,
+                               num_redundant_experts=redundant_experts(args))
         except BaseException:
             for p in procs:
                 if p.poll() is None:
@@ -271,6 +275,10 @@ class TPExecutor:
 
     def send_capture(self, max_batch: int, max_model_len: int) -> None:
         self._send(CMD_CAPTURE, max_batch, max_model_len)
+
+    def send_eplb(self, action: int) -> None:
+        """An EPLB action between two forwards; the workers apply it to their layers as rank 0 does."""
+        self._send(CMD_EPLB, action)
 
     def _dead_error(self, error: BaseException) -> EngineDeadError:
         if isinstance(error, EngineDeadError):

@@ -5,6 +5,7 @@ The worker never schedules or samples. It loads the model exactly as rank 0 does
 shard themselves from ``get_parallel_state()`` at build time), then waits for commands: ``RUNNER``
 (build the KV cache with rank 0's block size, block count and dtype), ``FORWARD`` (receive the
 batch, run the same forward, drop the logits), ``CAPTURE`` (CUDA graphs, in step with rank 0),
+``EPLB`` (reset the expert-load counters or rebalance the MoE layers, in step with rank 0),
 ``STOP``. Any error ends the process (exit 1): rank 0 sees the closed connection and reports it;
 a spawned worker also exits when its parent (rank 0) is gone.
 """
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from tokenfab.engine.tp_executor import (
     CMD_CAPTURE,
+    CMD_EPLB,
     CMD_FORWARD,
     CMD_RUNNER,
     CMD_STOP,
@@ -86,6 +88,10 @@ class TPWorker:
                     self.runner.batch_invariant = True
             elif cmd == CMD_CAPTURE:
                 self.runner.capture_decode_graphs(h[1], h[2])
+            elif cmd == CMD_EPLB:
+                from tokenfab.distributed.eplb_engine import apply_action, moe_layers
+
+                apply_action(moe_layers(self.model), h[1])
             elif cmd == CMD_STOP:
                 return
             else:
@@ -111,7 +117,10 @@ def run_worker(args: Any, rank: int, world: int, init_method: str | None, local_
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    group = join_group(rank, world, init_method, device, store=store, expert_parallel=args.enable_expert_parallel)
+    from tokenfab.distributed.eplb_engine import redundant_experts
+
+    group = join_group(rank, world, init_method, device, store=store, expert_parallel=args.enable_expert_parallel,
+                       num_redundant_experts=redundant_experts(args))
     try:
         worker = TPWorker(args, group)
         worker.loop()
