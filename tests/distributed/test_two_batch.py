@@ -197,6 +197,23 @@ def test_deferred_call_with_two_collectives_refused(fake_tp2):
     assert torch.equal(two_batch.run_plain(stages(torch.ones(2))), torch.full((2,), (1.5 + 1) * 1.5))
 
 
+def test_model_allows():
+    class Shared(torch.nn.Module):
+        tbo_unsafe = True
+
+    class Cache(torch.nn.Module):
+        kv_calibrate = False
+
+    ok = torch.nn.Sequential(torch.nn.Linear(2, 2), Cache())
+    assert two_batch.model_allows(ok)
+    ok[1].kv_calibrate = True  # an FP8 KV layer still calibrating on its first batch
+    assert not two_batch.model_allows(ok)
+    assert not two_batch.model_allows(torch.nn.Sequential(torch.nn.Linear(2, 2), Shared()))
+    from tokenfab.layers.dsa import SparseLatentAttention
+
+    assert SparseLatentAttention.tbo_unsafe  # DSA layers share the previous layer's top-k indices
+
+
 def test_configure_and_switch():
     batch = _mixed_batch([4, 4], [4, 4], [True, True])
     try:
@@ -246,16 +263,22 @@ def _tp_rank(rank: int, tp: int, model: str, engine_kwargs: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "deepseek_v3"])
 def test_tp2_tbo_equals_plain_and_one_process(tmp_path, arch):
-    """TP 2: tiny Llama, and tiny Qwen2-MoE without EP (experts split by TP: their all-reduce is a
-    yield point, the gated shared expert added after it; dense layers between)."""
+    """TP 2: tiny Llama, tiny Qwen2-MoE without EP (experts split by TP: their all-reduce is a
+    yield point, the gated shared expert added after it; dense layers between), tiny DeepSeek-V3
+    (MLA heads split: o_proj's all-reduce a yield point; shared experts)."""
     from tests.distributed.launch import run_ranks
     from tests.distributed.test_tp_models import generate
     from tests.moe_tiny_models import tiny_moe_config
     from tests.tiny_models import save_tiny_model, tiny_config
 
-    save_tiny_model(tiny_config("llama") if arch == "llama" else tiny_moe_config(arch), tmp_path)
+    if arch == "deepseek_v3":
+        from tests.models.test_deepseek import save_tiny_deepseek
+
+        save_tiny_deepseek(tmp_path)
+    else:
+        save_tiny_model(tiny_config("llama") if arch == "llama" else tiny_moe_config(arch), tmp_path)
     one = generate(str(tmp_path), TP_ENGINE)
     tbo = dict(TP_ENGINE, enable_two_batch_overlap=True, tbo_min_tokens=4)
     plain = run_ranks(_tp_rank, 2, 2, str(tmp_path), TP_ENGINE)

@@ -62,6 +62,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA (low-rank q path required) with DSA. ``indexer`` None: a "shared" layer that reuses the
     selection of ``topk_source`` (the previous full layer, run earlier in the same step)."""
 
+    tbo_unsafe = True  # two-batch overlap: layers read the previous full layer's last_indices (one batch's)
+
     def __init__(self, *args, indexer: LightningIndexer | None, index_head_dim: int,
                  topk_source: SparseLatentAttention | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -184,6 +184,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = MLAAttention(self.num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale)
 
+    @property
+    def ends_in_all_reduce(self) -> bool:  # two-batch overlap: o_proj's all-reduce is the last op
+        return getattr(self.o_proj, "reduce_output", False)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         if self.q_lora_rank is None:

@@ -169,11 +169,24 @@ class FusedMoE(nn.Module):
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # no host sync
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return two_batch.run_plain(self.forward_stages(x))
+        if self.ep_size > 1:  # the all-to-alls' stages drained at once (host syncs anyway: not compiled)
+            out = two_batch.run_plain(self._forward_ep(x))
+        else:
+            weights, ids = self.route(x)
+            self._count_load(ids)
+            out = self.experts(x, weights, ids)
+            if self.tp_sharded:
+                out = ps.tp_all_reduce(out)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
 
     def forward_stages(self, x: torch.Tensor) -> two_batch.Stages:
-        """The layer with a yield point after each collective (two-batch overlap: EP all-to-alls, the
-        TP-split experts' all-reduce); ``forward`` drains it at once."""
+        """``forward`` with a yield point after each collective (two-batch overlap: EP all-to-alls, the
+        TP-split experts' all-reduce). ``forward`` stays generator-free for torch.compile."""
         if self.ep_size > 1:
             out = yield from self._forward_ep(x)
         else:

@@ -124,11 +124,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return two_batch.run_plain(self.forward_stages(x, residual, batch))
+        if residual is None:
+            residual = x.clone()
+            h = self.input_layernorm.forward(x)
+        else:
+            h, residual = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, batch)
+        h, residual = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
     def forward_stages(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> two_batch.Stages:
-        """The layer as stages (distributed/two_batch.py): in an overlapped step each ``yield from
-        two_batch.call`` ends a stage after the call's collective is launched (attention, MLP/MoE)."""
+        """``forward`` as stages (distributed/two_batch.py), line for line: in an overlapped step each
+        ``yield from two_batch.call`` ends a stage after the call's collective is launched (attention,
+        MLP/MoE). ``forward`` stays generator-free: torch.compile (fullgraph) does not trace generators'
+        return values."""
         if residual is None:
             residual = x.clone()
             h = self.input_layernorm.forward(x)
@@ -148,11 +157,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if two_batch.wanted(batch):  # --enable-two-batch-overlap, TP/EP > 1, enough tokens
+        if two_batch.wanted(batch) and two_batch.model_allows(self):  # --enable-two-batch-overlap, TP/EP > 1
             return two_batch.forward(self, batch)
-        return two_batch.run_plain(self.forward_stages(batch))
+        x, residual = self.embed_tokens.forward(batch.input_ids), None
+        for layer in self.layers:
+            x, residual = layer.forward(x, residual, batch)
+        x, _ = self.norm.forward(x, residual)
+        return x
 
     def forward_stages(self, batch: ForwardBatch) -> two_batch.Stages:
+        """``forward``'s layer loop as stages (a micro-batch of an overlapped step)."""
         x, residual = self.embed_tokens.forward(batch.input_ids), None
         for layer in self.layers:
             x, residual = yield from two_batch.call(layer, x, residual, batch)
