@@ -68,8 +68,15 @@ def _emulated_library(tmp_path: Path) -> ctypes.CDLL:
         pytest.skip("no C compiler")
     so = tmp_path / "amx_emulated.so"
     flags = ["-O1", "-march=native", "-fPIC", "-fopenmp", "-ffast-math", "-std=c11", "-DTF_AMX_EMULATE", f"-I{CPU}"]
-    srcs = [str(CPU / f) for f in ("ggml_q8.c", "ggml_amx.c")]
-    subprocess.run([cc, *flags, *srcs, "-shared", "-o", str(so), "-lm"], check=True, capture_output=True, text=True)
+    # compiled with -ffast-math like the real build, but linked without it (as kernels/cpu/__init__.py does): a
+    # -ffast-math link pulls in crtfastmath.o, which flushes denormals to zero in the whole test process
+    objs = []
+    for f in ("ggml_q8.c", "ggml_amx.c"):
+        obj = tmp_path / f.replace(".c", ".o")
+        subprocess.run([cc, *flags, "-c", str(CPU / f), "-o", str(obj)], check=True, capture_output=True, text=True)
+        objs.append(str(obj))
+    subprocess.run([cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"], check=True, capture_output=True,
+                   text=True)
     lib = ctypes.CDLL(str(so))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("ggml_matmul_q8", "ggml_matmul_q8_amx"):
