@@ -128,11 +128,17 @@ def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
     s = _state
     if s.tp_size == 1:
         return x
-    if s.counter is not None:
-        s.counter.add("all_gather", x)
-    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=s.tp_group)
-    return torch.cat(parts, dim=-1)
+    return _all_gather(x, s.tp_size, s.tp_group, -1, s.counter)
+
+
+def _all_gather(x: torch.Tensor, size: int, group: dist.ProcessGroup | None, dim: int,
+                counter: CommCounter | None) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` concatenated along ``dim`` in rank order (counted when ``counter``)."""
+    if counter is not None:
+        counter.add("all_gather", x)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 # ---------------------------------------------------------------- expert parallel
@@ -204,9 +210,7 @@ def ep_all_gather(x: torch.Tensor) -> torch.Tensor:
     s = _state
     if s.ep_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(s.ep_size)]
-    dist.all_gather(parts, x.contiguous(), group=s.ep_group)
-    return torch.cat(parts, dim=0)
+    return _all_gather(x, s.ep_size, s.ep_group, 0, None)
 
 
 def tp_all_gather_rows(x: torch.Tensor) -> torch.Tensor:
@@ -214,8 +218,4 @@ def tp_all_gather_rows(x: torch.Tensor) -> torch.Tensor:
     s = _state
     if s.tp_size == 1:
         return x
-    if s.counter is not None:
-        s.counter.add("all_gather", x)
-    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=s.tp_group)
-    return torch.cat(parts, dim=0)
+    return _all_gather(x, s.tp_size, s.tp_group, 0, s.counter)
