@@ -126,6 +126,8 @@ class FusedMoE(nn.Module):
         self.num_local_experts = placement.num_local
         self._local_logical = placement.local_logical(self.ep_rank).tolist()
         dev = self.gate.weight.device if hasattr(self, "gate") else None
+        if dev is not None and dev.type == "meta":  # a quantized build (weights on meta): maps are real
+            dev = torch.get_default_device()
         for name in ("log2phy", "logcnt"):
             t = getattr(placement, name).to(dev)
             if name in self._buffers:

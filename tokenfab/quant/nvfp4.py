@@ -34,13 +34,14 @@ from tokenfab.quant.w4_linear import w4_linear_like
 
 
 class Nvfp4Experts(QuantizedModule):
-    """A FusedMoE's experts in NVFP4, from per-expert ``experts.{e}.{gate,up,down}_proj.*`` tensors:
+    """A FusedMoE's experts in NVFP4, from per-expert ``experts.{e}.{gate,up,down}_proj.*`` tensors
+    (E = this rank's local slots under expert parallelism; ``expert`` in ``load_expert`` is a slot):
     ``w13_q`` uint8 [E, 2I, H/2] (gate rows then up rows), ``w13_s`` E4M3 bits [E, 2I, H/16], ``w13_g``
     float32 [E, 2] (gate's and up's ``weight_scale_2``), ``w2_q`` [E, H, I/2], ``w2_s``, ``w2_g`` [E]."""
 
     def __init__(self, moe: nn.Module) -> None:
         super().__init__()
-        e, h, i = moe.num_experts, moe.hidden_size, moe.intermediate_size
+        e, h, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size  # this EP rank's slots
         if h % 16 or i % 16:
             raise ValueError(f"NVFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples of 16")
         if moe.w13_bias is not None:
