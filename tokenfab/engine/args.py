@@ -66,6 +66,9 @@ class EngineArgs:
 
         if EplbConfig.parse(self.eplb_config) is not None and not self.enable_expert_parallel:
             raise ValueError("eplb_config needs --enable-expert-parallel (EPLB places the experts of EP ranks)")
+        from tokenfab.engine.dp_lockstep import validate_dp_ep
+
+        validate_dp_ep(self)  # attention-DP + EP: TP 1, none of the options that break the lockstep
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:

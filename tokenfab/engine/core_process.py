@@ -79,6 +79,7 @@ class EngineCore:
         self._stop = False
         self._dirty: set[bytes] = set()  # front ends owed a stats update
         self._last_beat = 0.0
+        self.lockstep: Any = None  # attention-DP + EP: the replicas step together (engine/dp_lockstep.py)
 
     # ---- facts for the handshake ----
     def info(self) -> dict[str, Any]:
@@ -107,6 +108,10 @@ class EngineCore:
         if tp is not None:
             poller.register(tp.death_fd, zmq.POLLIN)
             tp.on_death.append(_exit_soon)
+        if self.lockstep is not None:
+            from tokenfab.engine.dp_lockstep import run_lockstep
+
+            return run_lockstep(self, self.lockstep, poller)
         while not self._stop:
             busy = self.engine.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else 1000))
@@ -298,14 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.bind(ns.address)
+    from tokenfab.engine import dp_lockstep
     from tokenfab.engine.llm_engine import LLMEngine
 
+    flag_group = None
     try:
-        engine = LLMEngine(EngineArgs(**{**json.loads(ns.args_json), "detokenize": False}))
+        args = EngineArgs(**{**json.loads(ns.args_json), "detokenize": False})
+        if dp_lockstep.MASTER_ENV in os.environ:  # attention-DP + EP: the replicas form one world first
+            from tokenfab.engine.device_setup import resolve_device
+
+            flag_group = dp_lockstep.join_world(resolve_device(args.device))[2]
+        engine = LLMEngine(args)
     except Exception as e:
         print(f"engine core: cannot load the model: {e}", file=sys.stderr, flush=True)
         return 3
     core = EngineCore(engine, sock, ns.parent_pid)
+    if flag_group is not None:
+        core.lockstep = dp_lockstep.make_lockstep(engine, flag_group)
     try:
         core.run()
     except EngineDeadError:

@@ -120,8 +120,9 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
 class DPClient:
     """N engine-core replicas behind one front end (see the module docstring)."""
 
-    def __init__(self, clients: list[EngineCoreClient], block_size: int) -> None:
+    def __init__(self, clients: list[EngineCoreClient], block_size: int, lockstep: bool = False) -> None:
         self.clients = clients
+        self.lockstep = lockstep  # attention-DP + EP (engine/dp_lockstep.py): one dead replica, all dead
         self.block_size = block_size
         self.router = Router(len(clients))
         self.owner: dict[str, int] = {}
@@ -146,14 +147,23 @@ class DPClient:
     @classmethod
     def spawn(cls, args: EngineArgs, log_level: str = "info") -> DPClient:
         """Start ``args.data_parallel_size`` engine cores at once, then connect to each."""
+        from tokenfab.engine import dp_lockstep
+        from tokenfab.engine.tp_executor import free_port
+
         n = args.data_parallel_size
         replica_args = dataclasses.replace(args, data_parallel_size=1)
+        lockstep = dp_lockstep.dp_ep_enabled(args)
+        extra: dict[str, str] = {}
+        if lockstep:  # attention-DP + EP: the replicas join one world, rank 0 hosts the rendezvous
+            dp_lockstep.validate_dp_ep(args)
+            replica_args = dataclasses.replace(replica_args, enforce_eager=True)
+            extra = {dp_lockstep.MASTER_ENV: f"127.0.0.1:{free_port()}", dp_lockstep.SIZE_ENV: str(n)}
         launches: list[CoreLaunch] = []
         clients: list[EngineCoreClient] = []
         try:
             for r in range(n):
-                # TOKENFAB_DP_RANK: a hook for layouts that need the replica's index (attention-DP + EP)
-                launches.append(CoreLaunch.start(replica_args, log_level, env={**os.environ,
+                # TOKENFAB_DP_RANK: the replica's index (its rank in the attention-DP + EP world)
+                launches.append(CoreLaunch.start(replica_args, log_level, env={**os.environ, **extra,
                                                                                 "TOKENFAB_DP_RANK": str(r)}))
             tokenizer = load_tokenizer(args.model)
             for launch in launches:
@@ -164,8 +174,9 @@ class DPClient:
             for launch in launches[len(clients):]:
                 launch.kill()
             raise
-        log.info("data parallel: %d engine-core replicas (pids %s)", n, ", ".join(str(c.core_pid) for c in clients))
-        return cls(clients, args.block_size)
+        log.info("data parallel: %d engine-core replicas (pids %s)%s", n, ", ".join(str(c.core_pid) for c in clients),
+                 " in lockstep, experts sharded over them (attention-DP + EP)" if lockstep else "")
+        return cls(clients, args.block_size, lockstep)
 
     # ---- liveness ----
     def _replica_died(self, index: int, error: EngineDeadError) -> None:
@@ -173,6 +184,10 @@ class DPClient:
             if self.dead[index] is not None:
                 return
             self.dead[index] = str(error)
+            if self.lockstep:  # the others' collectives cannot go on without it
+                for i, d in enumerate(self.dead):
+                    if d is None:
+                        self.dead[i] = f"data-parallel replica {index} died (attention-DP + EP): {error}"
             all_dead = all(d is not None for d in self.dead)
         log.error("data-parallel replica %d is dead: %s", index, error)
         self.wakeup()
