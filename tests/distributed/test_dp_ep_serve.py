@@ -143,6 +143,16 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [5, 17, 42, 99, 3, 250, 7, 
 MAX_TOKENS = 8
 
 
+def save_word_tokenizer(path, vocab_size: int = 320) -> None:
+    """A word-level tokenizer ("t0" .. "t319", split on spaces): the served text names the token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory) -> tuple[str, list[list[int]]]:
     from tests.models.test_deepseek import save_tiny_deepseek
@@ -151,6 +161,7 @@ def deepseek(tmp_path_factory) -> tuple[str, list[list[int]]]:
 
     path = tmp_path_factory.mktemp("deepseek_v3_dp_ep")
     save_tiny_deepseek(path)
+    save_word_tokenizer(path)
     engine = LLMEngine(model=str(path), **ENGINE_ARGS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     refs = []
@@ -224,3 +235,43 @@ def test_dp2_ep_replicas_give_one_process_tokens_and_die_together(deepseek):
             client.add_request("late", list(PROMPTS[0]), params)
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_serve_dp2_ep_concurrent_requests_and_a_dead_replica_is_503(deepseek):
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.server.test_cli_server import API_KEY, ServeProcess
+
+    path, refs = deepseek
+    flags = [f"--{k.replace('_', '-')}" if i == 0 else str(v) for k, v in ENGINE_ARGS.items() for i in range(2)]
+    server = ServeProcess(path, "--data-parallel-size", "2", "--enable-expert-parallel", *flags, "--no-access-log")
+    try:
+        pids = [int(p) for p in re.search(r"engine core pid (\d+), (\d+)", server.output).groups()]
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as c:
+            def complete(ids: list[int]) -> list[int]:
+                body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return [int(w[1:]) for w in r.json()["choices"][0]["text"].split()]
+
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: both replicas get some
+                got = list(pool.map(complete, PROMPTS))
+            assert got == refs
+            for r in range(2):
+                assert f"replica {r}: serving its first requests" in server.output, server.output[-3000:]
+            os.kill(pids[1], signal.SIGKILL)  # the other cannot go on alone: it exits, the server is dead
+            assert _gone(pids[0], 30), "the surviving replica kept running"
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{server.url}/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert httpx.get(f"{server.url}/health").status_code != 200
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            assert "error" in r.json()
+        assert "peer replica is gone" in server.output
+    finally:
+        server.stop()

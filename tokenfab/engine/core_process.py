@@ -306,20 +306,20 @@ def main(argv: list[str] | None = None) -> int:
     from tokenfab.engine import dp_lockstep
     from tokenfab.engine.llm_engine import LLMEngine
 
-    flag_group = None
+    flag_group, dp_rank = None, 0
     try:
         args = EngineArgs(**{**json.loads(ns.args_json), "detokenize": False})
         if dp_lockstep.MASTER_ENV in os.environ:  # attention-DP + EP: the replicas form one world first
             from tokenfab.engine.device_setup import resolve_device
 
-            flag_group = dp_lockstep.join_world(resolve_device(args.device))[2]
+            dp_rank, _, flag_group = dp_lockstep.join_world(resolve_device(args.device))
         engine = LLMEngine(args)
     except Exception as e:
         print(f"engine core: cannot load the model: {e}", file=sys.stderr, flush=True)
         return 3
     core = EngineCore(engine, sock, ns.parent_pid)
     if flag_group is not None:
-        core.lockstep = dp_lockstep.make_lockstep(engine, flag_group)
+        core.lockstep = dp_lockstep.make_lockstep(engine, flag_group, dp_rank)
     try:
         core.run()
     except EngineDeadError:

@@ -77,7 +77,8 @@ class Lockstep:
     tests); ``moes``: the model's FusedMoE layers, in forward order."""
 
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], None], moes: list[torch.nn.Module],
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, rank: int = 0) -> None:
+        self.rank = rank
         self.all_reduce_max = all_reduce_max
         self.moes = moes
         self.device = device
@@ -119,6 +120,8 @@ class Lockstep:
         run_step()
         calls = self.moe_calls - before
         self.busy_steps += 1
+        if self.busy_steps == 1:
+            log.info("attention-DP + EP replica %d: serving its first requests", self.rank)
         if calls == 0:
             self.idle_pass()
         return calls
@@ -146,7 +149,7 @@ def join_world(device: torch.device) -> tuple[int, int, Any]:
     return rank, size, flags
 
 
-def make_lockstep(engine: Any, flag_group: Any) -> Lockstep:
+def make_lockstep(engine: Any, flag_group: Any, rank: int = 0) -> Lockstep:
     import torch.distributed as dist
 
     from tokenfab.layers.moe import FusedMoE
@@ -158,11 +161,19 @@ def make_lockstep(engine: Any, flag_group: Any) -> Lockstep:
     def all_reduce_max(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=flag_group)
 
-    return Lockstep(all_reduce_max, moes, engine.device, engine.dtype)
+    return Lockstep(all_reduce_max, moes, engine.device, engine.dtype, rank)
 
 
 def run_lockstep(core: Any, lock: Lockstep, poller: Any) -> None:
     """``EngineCore.run`` in this mode (see the module docstring); returns when every rank stops."""
+    try:
+        _loop(core, lock, poller)
+    finally:
+        log.info("attention-DP + EP replica %d stops: %d engine steps, %d empty MoE passes", lock.rank,
+                 lock.busy_steps, lock.idle_steps)
+
+
+def _loop(core: Any, lock: Lockstep, poller: Any) -> None:
     engine = core.engine
     while True:
         busy = engine.has_unfinished_requests()

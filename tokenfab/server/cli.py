@@ -132,8 +132,8 @@ def load_engine(args: argparse.Namespace) -> object | None:
     (default), a ``DPClient`` on N of them (--data-parallel-size), or an in-process ``LLMEngine``
     (--engine-in-process). None (message printed) if the
     model cannot be loaded."""
-    engine_args = EngineArgs.from_cli_args(args)
     try:
+        engine_args = EngineArgs.from_cli_args(args)  # a refused combination of options: a message, no traceback
         if args.engine_in_process:
             from tokenfab.engine.llm_engine import LLMEngine
 
