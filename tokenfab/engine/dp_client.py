@@ -17,6 +17,10 @@ the least-loaded replica (ties: the one picked longest ago, so an idle server al
 A replica that dies fails its own requests (finish_reason "error" with the reason) and is routed
 around; the others keep serving. Only when every replica is dead does the client report itself
 dead (``on_dead``: the server answers 503 and ``/health`` fails).
+
+With ``--enable-expert-parallel`` (attention-DP + EP, ``engine/dp_lockstep.py``) the replicas form
+one torch.distributed world (a rendezvous on a free loopback port, ``TOKENFAB_DP_EP_MASTER``) and
+step in lockstep: there one dead replica is all dead (the others' collectives cannot go on).
 """
 
 from __future__ import annotations
