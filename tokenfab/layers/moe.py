@@ -178,13 +178,37 @@ class FusedMoE(nn.Module):
             self._count_load(ids)
             out = self.experts(x, weights, ids)
             if self.tp_sharded:
-                out = ps.tp_all_reduce(out)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+                return self._reduce_with_shared(x, out, ps.tp_all_reduce)
+        return self._add_shared(x, out)
+
+    _shared_partial: bool | None = None
+
+    def _shared_in_partial_sum(self) -> bool:
+        """TP-split experts: may the shared experts join the routed experts' partial sum, so that one
+        all-reduce covers both? Yes when their down projection is row-parallel (it all-reduces its own
+        output): decided once, and that projection then leaves its partial sum (the gate is replicated,
+        so gate * partial sums to gate * full)."""
+        if self._shared_partial is None:
+            down = getattr(self.shared_experts, "down_proj", None)
+            self._shared_partial = bool(getattr(down, "reduce_output", False))
+            if self._shared_partial:
+                down.reduce_output = False
+        return self._shared_partial
+
+    def _reduce_with_shared(self, x: torch.Tensor, out: torch.Tensor, reduce) -> torch.Tensor:
+        """The TP-split experts' partial ``out`` summed over the ranks by ``reduce``, plus the shared experts."""
+        if self.shared_experts is not None and self._shared_in_partial_sum():
+            return reduce(self._add_shared(x, out))
+        return self._add_shared(x, reduce(out))
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` + the (gated) shared experts."""
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
     def forward_stages(self, x: torch.Tensor) -> two_batch.Stages:
         """``forward`` with a yield point after each collective (two-batch overlap: EP all-to-alls, the
@@ -196,13 +220,11 @@ class FusedMoE(nn.Module):
             self._count_load(ids)
             out = self.experts(x, weights, ids)
             if self.tp_sharded:
+                if self.shared_experts is not None and self._shared_in_partial_sum():
+                    out = self._add_shared(x, out)
+                    return (yield from two_batch.collective(ps.tp_all_reduce, out))
                 out = yield from two_batch.collective(ps.tp_all_reduce, out)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        return self._add_shared(x, out)
 
     def _forward_ep(self, x: torch.Tensor) -> two_batch.Stages:
         t = x.shape[0]
