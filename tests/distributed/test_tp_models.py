@@ -178,3 +178,18 @@ def test_deepseek_v32_dsa_tp2(tmp_path):
     save_tiny_dsa("deepseek_v32", tmp_path)
     results = check_tp(str(tmp_path), 2, layers={"Linear", "MergedLinear"})
     assert all(r["mla_heads"] == [2] for r in results)
+
+
+def test_moe_comm_bytes_match_plan(tmp_path):
+    """DeepSeek-V3 with TP-split experts and a shared expert: one all-reduce per MoE layer (the shared
+    expert joins the routed experts' partial sum), so a decode step sends what ``tokenfab plan`` says."""
+    from tests.models.test_deepseek import save_tiny_deepseek
+    from tokenfab.bench.comm import plan_bytes_per_token, ring_bytes, run_tp
+
+    save_tiny_deepseek(tmp_path)
+    ranks = run_tp(2, str(tmp_path), batch=4, prompt_len=9, steps=2)
+    calls = ranks[0]["calls"]
+    layers = ranks[0]["config"]["num_hidden_layers"]
+    assert [k for k, _ in calls] == ["all_reduce"] * (1 + 2 * layers) + ["all_gather"]
+    measured = ring_bytes(calls, 2) / 4
+    assert measured == pytest.approx(plan_bytes_per_token(ranks[0]["config"], 2, 4), rel=1e-12)
