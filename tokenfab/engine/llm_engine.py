@@ -13,7 +13,6 @@ import torch
 from tokenfab.distributed import two_batch
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
-    default_cpu_kv_bytes,
     log_memory_figures,
     maybe_pack_cpu_weights,
     physical_memory_bytes,
@@ -22,6 +21,7 @@ from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_al
     tune_cpu_allocator,
 )
 from tokenfab.engine.errors import EngineDeadError, is_device_fatal
+from tokenfab.engine.kv_budget import kv_cache_blocks
 from tokenfab.engine.kv_cache import BlockManager
 from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.output_processor import TokenTexts, append_text, logprob_entry, visible_text
@@ -78,7 +78,9 @@ class LLMEngine:
             from tokenfab.spec.step import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, self)
-        num_blocks = self._kv_blocks(args)
+        draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
+        num_blocks = kv_cache_blocks(args, kv_bytes_per_token(self.model, self.dtype) + draft, self.device,
+                                     self.max_model_len, self._make_runner)
         self.runner = self._make_runner(args.block_size, num_blocks)
         if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
             self.runner.batch_invariant = True
@@ -130,49 +132,6 @@ class LLMEngine:
         """Stop the tensor-parallel workers (if any); the engine serves nothing after this."""
         if self.tp is not None:
             self.tp.shutdown()
-
-    # ---- memory budget --------------------------------------------------------------
-    def _kv_blocks(self, args: EngineArgs) -> int:
-        if args.num_kv_blocks is not None:
-            return args.num_kv_blocks
-        draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
-        per_block = (kv_bytes_per_token(self.model, self.dtype) + draft) * args.block_size
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget(args)
-        else:
-            budget = args.kv_cache_memory or default_cpu_kv_bytes()
-        per_seq = -(-self.max_model_len // args.block_size)
-        blocks = budget // per_block
-        if blocks < per_seq:
-            what = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
-            raise ValueError(
-                f"the KV cache budget ({max(budget, 0) / 2**20:.0f} MiB, {max(blocks, 0)} blocks of "
-                f"{args.block_size} tokens) cannot hold one sequence of max_model_len={self.max_model_len} "
-                f"tokens ({per_seq} blocks, {per_seq * per_block / 2**20:.0f} MiB): raise {what} or lower "
-                "--max-model-len"
-            )
-        # never more than what max_num_seqs full-length sequences could use
-        return min(blocks, per_seq * max(args.max_num_seqs, 1))
-
-    def _cuda_kv_budget(self, args: EngineArgs) -> int:
-        """A fraction of the GPU's memory, less weights and the measured activation peak of a
-        forward over the largest chunk (run once against a small throwaway cache)."""
-        n = min(args.max_num_batched_tokens, self.max_model_len - 1)
-        probe = self._make_runner(args.block_size, -(-n // args.block_size))
-        seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1), 0)
-        seq.block_table = list(range(probe.num_blocks))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        probe.execute(probe.prepare([seq], [n], [True]))
-        torch.cuda.synchronize(self.device)
-        activ = torch.cuda.max_memory_allocated(self.device) - base
-        del probe
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        self.activation_peak_bytes = activ
-        return int(total * args.gpu_memory_utilization - used - activ)
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
