@@ -32,7 +32,7 @@ def main() -> int:
     from tests.server.conftest import GREEDY_MAX_TOKENS, GREEDY_PROMPTS, MAX_MODEL_LEN, LiveServer
     from tests.server.fuzzing import run_schemathesis
     from tokenfab import LLM, SamplingParams
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
     from tokenfab.server.app import ServerConfig, build_app
 
     llm = LLM(max_model_len=MAX_MODEL_LEN)

@@ -125,7 +125,7 @@ def compare(ref: Reference, prompt: list[int], expected: list[int], ours: list[i
 def run_tokenfab(path: Path, prompts: list[list[int]], n: int, dtype: str, device: str, eager: bool,
                  async_scheduling: bool = False) -> list[list[int]]:
     from tokenfab.engine.llm import LLM
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     llm = LLM(str(path), dtype=dtype, device=device, enforce_eager=eager, num_kv_blocks=256, max_num_seqs=16,
               max_model_len=512, cpu_weight_packing=False, async_scheduling=async_scheduling)

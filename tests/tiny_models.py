@@ -59,7 +59,7 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def run_capturing_logits(engine, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy-generate ``max_tokens`` for one prompt through the engine, returning the tokens and
     the logits the runner produced at each step (prefill chunk ends, then each decode step)."""
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     step_logits: list[torch.Tensor] = []
@@ -88,7 +88,7 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, arrivals: list[
     Returns, per request, its tokens and its per-token top-``logprobs`` {token: logprob}, and the
     ForwardBatch of every step (for asserting which paths a test reached).
     """
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     arrivals = arrivals or [0] * len(prompts)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)

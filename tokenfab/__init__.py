@@ -1,7 +1,7 @@
 """tokenfab: a token factory. LLM inference whose hot paths are Triton kernels."""
 
-from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Data parallelism (engine/dp_client.py): the routing rule on fake loads (fast), and two
+"""Data parallelism (engine/core/dp_client.py): the routing rule on fake loads (fast), and two
 engine-core replicas of the bundled model behind one client / one server (slow): the greedy
 tokens of one engine, both replicas used under concurrent load, a dead replica fails only its own
 requests while the other keeps serving, and all dead -> dead."""
@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from tokenfab import LLM, SamplingParams
-from tokenfab.engine.dp_client import AFFINITY_SLACK, Router, merge_stats, prefix_keys
-from tokenfab.engine.errors import EngineDeadError
-from tokenfab.engine.stats import EngineStats
+from tokenfab.engine.core.dp_client import AFFINITY_SLACK, Router, merge_stats, prefix_keys
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.stats import EngineStats
 
 BS = 4
 
@@ -115,7 +115,7 @@ def _drain(client, rids: set[str], timeout: float = 300) -> dict[str, object]:
 @pytest.mark.slow
 def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_requests(expected):
     from tokenfab.engine.args import EngineArgs
-    from tokenfab.engine.dp_client import DPClient
+    from tokenfab.engine.core.dp_client import DPClient
 
     client = DPClient.spawn(EngineArgs(max_model_len=256, data_parallel_size=2))
     try:
@@ -160,7 +160,7 @@ def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_re
 @pytest.mark.slow
 def test_serve_data_parallel_2_streams_the_one_engine_tokens(expected):
     from tests.server.test_cli_server import API_KEY, ServeProcess
-    from tokenfab.engine.core_client import load_tokenizer
+    from tokenfab.engine.core.client import load_tokenizer
 
     tok = load_tokenizer(None)
     texts = [tok.decode(ids) for ids in expected]

@@ -1,4 +1,4 @@
-"""Attention-DP + EP serving (``--data-parallel-size N --enable-expert-parallel``, engine/dp_lockstep.py).
+"""Attention-DP + EP serving (``--data-parallel-size N --enable-expert-parallel``, executors/dp_lockstep.py).
 
 Fast tier: the lockstep module with fake collectives (two replicas as threads, an in-memory MAX
 all-reduce; stub MoE layers that record the rows they get): the flags reduce, a step that ran no
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenfab.engine.dp_lockstep import Lockstep, validate_dp_ep
-from tokenfab.engine.errors import EngineDeadError
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.executors.dp_lockstep import Lockstep, validate_dp_ep
 
 
 class StubMoE(torch.nn.Module):
@@ -118,7 +118,7 @@ def test_refused_options_name_themselves():
 
 
 def test_one_dead_replica_is_all_dead_in_lockstep():
-    from tokenfab.engine.dp_client import DPClient
+    from tokenfab.engine.core.dp_client import DPClient
 
     def fake():
         return SimpleNamespace(tokenizer=None, model_name="m", max_model_len=64, vocab_size=320, eos_token_ids=[],
@@ -157,7 +157,7 @@ def save_word_tokenizer(path, vocab_size: int = 320) -> None:
 def deepseek(tmp_path_factory) -> tuple[str, list[list[int]]]:
     from tests.models.test_deepseek import save_tiny_deepseek
     from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     path = tmp_path_factory.mktemp("deepseek_v3_dp_ep")
     save_tiny_deepseek(path)
@@ -185,7 +185,7 @@ def _drain(client, rids: set[str], timeout: float = 300) -> dict:
 
 
 def _gone(pid: int, timeout: float) -> bool:
-    from tokenfab.engine.core_process import pid_alive
+    from tokenfab.engine.core.process import pid_alive
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -202,8 +202,8 @@ def _gone(pid: int, timeout: float) -> bool:
 @pytest.mark.slow
 def test_dp2_ep_replicas_give_one_process_tokens_and_die_together(deepseek):
     from tokenfab.engine.args import EngineArgs
-    from tokenfab.engine.dp_client import DPClient
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.core.dp_client import DPClient
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     path, refs = deepseek
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""EPLB in the engine (tokenfab/distributed/eplb_engine.py): --eplb-config, the step schedule, the
+"""EPLB in the engine (tokenfab/executors/eplb_engine.py): --eplb-config, the step schedule, the
 lockstep rebalance on every TP rank.
 
 Fast tier: the config's parsing and errors (EngineArgs, the CLI), the schedule of resets and
@@ -16,14 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from tokenfab.distributed.eplb_engine import (
+from tokenfab.engine.args import EngineArgs
+from tokenfab.executors.eplb_engine import (
     ACTION_REBALANCE,
     ACTION_RESET,
     EplbConfig,
     EplbController,
     redundant_experts,
 )
-from tokenfab.engine.args import EngineArgs
 
 
 def test_parse_and_errors():
@@ -71,7 +71,7 @@ class _FakeMoE(nn.Module):
 
 
 def test_controller_runs_due_actions_in_order(monkeypatch):
-    import tokenfab.distributed.eplb_engine as eng
+    import tokenfab.executors.eplb_engine as eng
 
     log: list = []
     layers = [_FakeMoE(log), _FakeMoE(log)]
@@ -88,7 +88,7 @@ def test_controller_runs_due_actions_in_order(monkeypatch):
 
 
 def test_dense_model_and_single_rank_refused(monkeypatch):
-    import tokenfab.distributed.eplb_engine as eng
+    import tokenfab.executors.eplb_engine as eng
 
     with pytest.raises(ValueError, match="no MoE layers"):
         EplbController(EplbConfig(2), nn.Sequential(nn.Linear(2, 2)))
@@ -118,7 +118,7 @@ def test_llm_tp2_ep_rebalances_and_keeps_tokens(tmp_path, weights):
     from tokenfab import LLM, SamplingParams
     from tokenfab.distributed import parallel_state as ps
     from tokenfab.distributed.eplb import identity_placement
-    from tokenfab.distributed.eplb_engine import moe_layers
+    from tokenfab.executors.eplb_engine import moe_layers
 
     save_tiny_model(tiny_moe_config("qwen3_moe"), tmp_path / "plain")
     path = tmp_path / "plain"

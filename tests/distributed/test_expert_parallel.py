@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tokenfab.distributed import ep_dispatch
 from tokenfab.distributed.eplb import rebalance_experts, select_replica
-from tokenfab.distributed.plan import expected_remote_ranks
+from tokenfab.planner.plan import expected_remote_ranks
 
 H, I = 16, 8
 
@@ -305,7 +305,7 @@ MAX_TOKENS = 8
 
 
 def _generate(engine, prompts) -> tuple[list[list[int]], int]:
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -415,10 +415,10 @@ def test_ep_bytes_per_token_vs_plan(tmp_path):
     returns one row per remote (token, expert) pair (the exact slot-order sum at home), so it sends
     k/2 = 2 rows a token where plan (DeepEP's per-rank reduced combine) counts 0.96."""
     from tests.distributed.launch import run_ranks
-    from tests.distributed.plan_configs import write_config
-    from tokenfab.distributed.hardware import get_gpu, parse_interconnect
-    from tokenfab.distributed.model_spec import build_spec, load_config
-    from tokenfab.distributed.plan import PlanRequest, plan_model
+    from tests.planner.plan_configs import write_config
+    from tokenfab.planner.hardware import get_gpu, parse_interconnect
+    from tokenfab.planner.model_spec import build_spec, load_config
+    from tokenfab.planner.plan import PlanRequest, plan_model
 
     experts, k, tokens = 16, 4, 512
     res = run_ranks(_bytes_rank, 2, experts, k, tokens)
@@ -573,7 +573,7 @@ def _attention_dp_rank(rank: int, path: str) -> dict:
 
     from tokenfab.distributed import parallel_state as ps
     from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
     from tokenfab.layers.moe import FusedMoE
 
     torch.set_num_threads(1)

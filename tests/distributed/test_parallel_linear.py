@@ -165,10 +165,10 @@ def test_single_process_is_identity():
 def test_comm_volume_matches_plan(results, tmp_path):
     """What the TP2 stack sent per token (ring all-reduce: 2 (t-1)/t of the payload; all-gather: (t-1)
     pieces) equals tokenfab plan's decode figure for the same shape."""
-    from tests.distributed.plan_configs import write_config
-    from tokenfab.distributed.hardware import get_gpu, parse_interconnect
-    from tokenfab.distributed.model_spec import build_spec, load_config
-    from tokenfab.distributed.plan import PlanRequest, plan_model
+    from tests.planner.plan_configs import write_config
+    from tokenfab.planner.hardware import get_gpu, parse_interconnect
+    from tokenfab.planner.model_spec import build_spec, load_config
+    from tokenfab.planner.plan import PlanRequest, plan_model
 
     calls = results[0]["comm"]
     assert [k for k, _ in calls] == ["all_reduce"] * (1 + 2 * LAYERS) + ["all_gather"]

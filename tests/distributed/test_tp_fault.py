@@ -31,7 +31,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _worker_pids(core: int) -> list[int]:
-    return [p for p in _children(core) if b"tokenfab.engine.tp_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in _children(core) if b"tokenfab.executors.tp_worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def _complete(c: httpx.Client, prompt: str, stream: bool) -> str:
@@ -95,7 +95,7 @@ def test_tp3_serve_matches_one_process_then_a_killed_worker_gives_503():
 
 def test_offline_llm_a_killed_worker_raises_engine_dead_not_a_hang(tmp_path):
     from tests.tiny_models import save_tiny_model, tiny_config
-    from tokenfab.engine.errors import EngineDeadError
+    from tokenfab.engine.requests.errors import EngineDeadError
 
     save_tiny_model(tiny_config("llama"), tmp_path)
     llm = LLM(str(tmp_path), tensor_parallel_size=2)

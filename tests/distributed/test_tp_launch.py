@@ -1,4 +1,4 @@
-"""Tensor-parallel launch (engine/tp_executor.py + tp_worker.py): ``LLM(tensor_parallel_size=N)``
+"""Tensor-parallel launch (executors/tp_executor.py + tp_worker.py): ``LLM(tensor_parallel_size=N)``
 spawns N-1 worker processes (gloo on CPU) that mirror rank 0's forwards; rank 0 alone samples.
 The tokens must be those of the one-process engine, with prefix caching, chunked prefill and
 preemption reached. The fast test is the feature's one smoke test (tiny Llama, TP 2); the bundled
@@ -12,7 +12,7 @@ import torch
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab import LLM, SamplingParams
 from tokenfab.distributed.parallel_state import get_parallel_state
-from tokenfab.engine.tp_executor import CMD_FORWARD, MODE_SCORING, batch_header, pack_batch, unpack_batch
+from tokenfab.executors.tp_executor import CMD_FORWARD, MODE_SCORING, batch_header, pack_batch, unpack_batch
 from tokenfab.forward_batch import ForwardBatch
 
 # engine settings that reach chunked prefill (8-token chunks), prefix-cache hits (shared prompt

@@ -66,7 +66,7 @@ def generate(model: str, engine_kwargs: dict, prompts=PROMPTS, arrivals=ARRIVALS
 def _seeded(engine, prompts: list[list[int]]) -> list[list[int]]:
     """Seeded sampled generations (temperature 0.9, top-p 0.95): the same seeds draw the same tokens
     on every rank, whose logits are the same all-gathered vector."""
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     for i, p in enumerate(prompts):
         engine.add_request(f"seeded-{i}", list(p), SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i,

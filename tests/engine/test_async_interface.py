@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from tokenfab.engine.async_engine import AsyncEngine, QueueFullError
+from tokenfab.engine.core.async_engine import AsyncEngine, QueueFullError
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 8], [1, 2, 3]]
 

@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenfab.engine.kv_cache import BlockManager
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.block_manager import BlockManager
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
 
 BS = 4
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=13)  # tiny alphabet: many equal prefixes

@@ -28,17 +28,18 @@ import httpx
 import pytest
 import zmq
 
-from tokenfab.engine import core_client, ipc
-from tokenfab.engine.async_engine import AsyncEngine
-from tokenfab.engine.core_client import EngineCoreClient, hang_timeout_from_env
-from tokenfab.engine.core_process import BEAT_S, EngineCore
-from tokenfab.engine.errors import EngineDeadError
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.core import client as core_client
+from tokenfab.engine.core import ipc
+from tokenfab.engine.core.async_engine import AsyncEngine
+from tokenfab.engine.core.client import EngineCoreClient, hang_timeout_from_env
+from tokenfab.engine.core.process import BEAT_S, EngineCore
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 # answers hello; once a request arrives, beats (an empty outputs) every 0.1 s; requests never finish
 _BEATING_CORE = textwrap.dedent("""
     import sys, time, zmq
-    from tokenfab.engine import ipc
+    from tokenfab.engine.core import ipc
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(sys.argv[1])
     info = {"model_name": "fake", "max_model_len": 64, "vocab_size": 100, "eos_token_ids": [0],
@@ -131,7 +132,7 @@ def test_core_loop_beats_front_ends_with_requests_in_flight(monkeypatch):
         core = EngineCore(engine=None, sock=router)
         core._route["0:r"] = (b"busy", "r")
         now = [1000.0]
-        monkeypatch.setattr("tokenfab.engine.core_process.time.monotonic", lambda: now[0])
+        monkeypatch.setattr("tokenfab.engine.core.process.time.monotonic", lambda: now[0])
         core._heartbeat()
         core._heartbeat()  # within BEAT_S: nothing more
         now[0] += BEAT_S

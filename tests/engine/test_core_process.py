@@ -24,13 +24,13 @@ import msgpack
 import pytest
 import zmq
 
-from tokenfab.engine import ipc
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.core_client import EngineCoreClient
-from tokenfab.engine.core_process import EngineCore
-from tokenfab.engine.errors import EngineDeadError
+from tokenfab.engine.core import ipc
+from tokenfab.engine.core.client import EngineCoreClient
+from tokenfab.engine.core.process import EngineCore
 from tokenfab.engine.output_processor import TokenTexts
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 
 # ---- the wire protocol -------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def _fresh(p: SamplingParams) -> SamplingParams:
 
 
 def _with_grammar(engine) -> list[SamplingParams]:
-    from tokenfab.engine.structured import StructuredOutputCompiler
+    from tokenfab.engine.runner.structured import StructuredOutputCompiler
 
     rf = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -277,7 +277,7 @@ def test_core_rejects_a_request_it_cannot_take(core):
 # ---- death -------------------------------------------------------------------------------------
 _FAKE_CORE = textwrap.dedent("""
     import sys, zmq
-    from tokenfab.engine import ipc
+    from tokenfab.engine.core import ipc
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(sys.argv[1])
     info = {"model_name": "fake", "max_model_len": 64, "vocab_size": 100, "eos_token_ids": [0],
@@ -320,7 +320,7 @@ def test_a_killed_core_is_noticed_at_once(fake_core):
 def test_async_engine_fails_streams_and_turns_dead(fake_core):
     """Through AsyncEngine (what the server talks to): the stream in flight gets EngineDeadError,
     ``is_dead`` turns true, new requests are refused; no hang."""
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
 
     address, proc = fake_core
     client = EngineCoreClient(address, proc.pid, None, ready_timeout=60)

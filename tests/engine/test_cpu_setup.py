@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tokenfab.engine.llm_engine import LLMEngine, tune_cpu_allocator
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.layers.linear import PACKED_MAX_ROWS, Linear, mkl_packing_available, onednn_bf16_packing_available
 
 

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from tokenfab.engine.async_engine import AsyncEngine
-from tokenfab.engine.errors import EngineDeadError, RequestFailedError
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.errors import EngineDeadError, RequestFailedError
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 300, 12, 40, 41]]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.engine.test_failures import make_engine, run
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 
 class ScriptedGrammar:

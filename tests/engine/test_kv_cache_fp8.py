@@ -1,6 +1,6 @@
 """FP8 KV cache in the engine (issue 13): flags, per-dtype cache allocation and binding, first-batch
 calibration, the bytes-per-token figure, end-to-end runs (tokenfab/quant/kv_fp8.py,
-engine/model_runner.py, layers/attention.py).
+engine/runner/model_runner.py, layers/attention.py).
 
 The reference for what the cache holds is the definition: a value x is stored as
 e4m3(clamp(x / scale, +-448)) with scale = amax(first batch) / 448, so it reads back within half an

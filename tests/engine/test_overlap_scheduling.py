@@ -19,7 +19,7 @@ import torch
 
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.overlap import PLACEHOLDER, OverlapScheduler
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 
 def make_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
@@ -268,7 +268,7 @@ def test_prefix_cache_hits_same_outputs_and_digests(tiny):
 
 
 def test_finished_request_keeps_no_extra_token_nor_block(tiny):
-    from tokenfab.engine.kv_cache import _ROOT, hash_block
+    from tokenfab.engine.requests.block_manager import _ROOT, hash_block
 
     prompt = [5, 6, 7, 8, 9, 10]  # blocks of 4: [5 6 7 8] [9 10 t1 t2]
     engines = {}
@@ -422,8 +422,8 @@ def test_flag_off_by_default_and_on_the_cli():
 
 
 def test_sample_tokens_stays_on_device_and_matches_sample_next(tiny):
-    from tokenfab.engine.sampler import sample_next, sample_tokens
-    from tokenfab.engine.sequence import Sequence
+    from tokenfab.engine.requests.sequence import Sequence
+    from tokenfab.engine.runner.sampler import sample_next, sample_tokens
 
     seqs = [Sequence(f"s{i}", None, [1, 2, 3], SamplingParams(temperature=t, seed=i), i)
             for i, t in enumerate((0.0, 1.0, 0.5))]
@@ -454,7 +454,7 @@ def test_async_engine_streams_match_with_overlap(tiny):
     streamed requests, one dropped by its consumer after 2 chunks, give the synchronous tokens."""
     import asyncio
 
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
 
     prompts = make_prompts(8, seed=12)
     params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=6 + i, ignore_eos=True)

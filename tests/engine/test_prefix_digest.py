@@ -11,9 +11,9 @@ from array import array
 
 import pytest
 
-from tokenfab.engine.kv_cache import hash_block, root_digest
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.block_manager import hash_block, root_digest
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(3, 3 + 40))  # two full blocks of 16 and a partial one
@@ -30,7 +30,7 @@ def test_digest_is_blake2b_of_parent_and_int32_tokens():
 
 
 def test_digests_are_stable_across_processes():
-    code = ("from tokenfab.engine.kv_cache import hash_block, root_digest; "
+    code = ("from tokenfab.engine.requests.block_manager import hash_block, root_digest; "
             "print(hash_block(hash_block(root_digest('s'), [1, 2, 3]), [4]).hex())")
     here = hash_block(hash_block(root_digest("s"), [1, 2, 3]), [4]).hex()
     for seed in ("1", "2"):
@@ -68,7 +68,7 @@ def test_salts_isolate_and_equal_salts_share(engine):
 def test_salt_changes_only_the_first_block_parent(engine):
     """Later blocks chain on their parent only, so the salt reaches them through the first one."""
     bm = engine.block_manager
-    from tokenfab.engine.sequence import Sequence
+    from tokenfab.engine.requests.sequence import Sequence
 
     s1 = Sequence("x", None, PROMPT, GREEDY, 0, cache_salt="k")
     s2 = Sequence("y", None, PROMPT, GREEDY, 0, cache_salt=None)

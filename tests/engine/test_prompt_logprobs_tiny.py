@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 PROMPTS = [list(range(7, 7 + 23)), [5, 17, 42, 99, 3, 3, 3, 250, 1], list(range(300, 260, -1))]
 

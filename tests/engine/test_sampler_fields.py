@@ -8,9 +8,9 @@ import torch
 
 from tokenfab import LLM
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampler import apply_logit_bias, sample_next
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.sampler import apply_logit_bias, sample_next
 
 PROMPT = [5, 17, 42, 99]
 

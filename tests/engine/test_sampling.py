@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tokenfab.engine.llm import LLM
-from tokenfab.engine.sampler import apply_penalties
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.sampler import apply_penalties
 
 PROMPTS = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7, 300, 12]]
 

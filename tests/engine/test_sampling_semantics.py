@@ -21,9 +21,9 @@ from tests.engine.sampling_definition import (
     kept_tokens,
     penalized_logits,
 )
-from tokenfab.engine.sampler import apply_penalties, sample_next
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.sampler import apply_penalties, sample_next
 from tokenfab.kernels.sampling import filter_probs_ref
 
 V = 24
@@ -305,7 +305,7 @@ def test_params_normalise_the_forms_users_send():
 def test_step_seeds_differ_across_steps_and_requests():
     """Each (request seed, step) gets its own 32-bit seed: no two of 64 x 64 collide, and the
     same pair always gives the same seed."""
-    from tokenfab.engine.sampler import step_seed
+    from tokenfab.engine.runner.sampler import step_seed
 
     seeds = {step_seed(b, s) for b in range(64) for s in range(64)}
     assert len(seeds) == 64 * 64 and all(0 <= x < 2**32 for x in seeds)

@@ -8,10 +8,10 @@ preempted and re-queued with its tokens; a step that preempted admits nobody.
 
 from __future__ import annotations
 
-from tokenfab.engine.kv_cache import BlockManager
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.scheduler import Scheduler
-from tokenfab.engine.sequence import Sequence, SequenceStatus
+from tokenfab.engine.requests.block_manager import BlockManager
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.scheduler import Scheduler
+from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
 
 BS = 4  # block size
 SAMPLED = 7  # the token "the model" appends

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tokenfab.engine.llm import LLM
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7]
 N = 14

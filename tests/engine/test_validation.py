@@ -7,7 +7,7 @@ import pytest
 
 from tokenfab.engine.llm import LLM
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 VOCAB = 320  # tests/tiny_models.py
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -188,7 +188,7 @@ def _forward(runner, chunks):
 
 @pytest.fixture(scope="module", params=["packed-q8_0", "float32-mkl"])
 def bundled_runner(request):
-    from tokenfab.engine.model_runner import ModelRunner
+    from tokenfab.engine.runner.model_runner import ModelRunner
     from tokenfab.loader.model_loader import load_model
 
     quant = None if request.param == "packed-q8_0" else "none"
@@ -408,7 +408,7 @@ def test_triton_tiny_model_verify_logits_equal_decode_logits(model_type, tmp_pat
     beside another sequence's decode (linears: the invariant matmul; attention: decode rows)."""
     from tests.kernels.test_matmul_invariant import row_wise_interpreter_dot
     from tests.tiny_models import save_tiny_model, tiny_config
-    from tokenfab.engine.model_runner import ModelRunner
+    from tokenfab.engine.runner.model_runner import ModelRunner
     from tokenfab.kernels import matmul_invariant
     from tokenfab.loader.model_loader import load_model
 
@@ -461,7 +461,7 @@ class _ProbeModel(torch.nn.Module):
 
 
 def _probe_runner(model, mode):
-    from tokenfab.engine.model_runner import ModelRunner
+    from tokenfab.engine.runner.model_runner import ModelRunner
 
     runner = object.__new__(ModelRunner)  # the forward path only: no cache needed
     runner.model, runner.batch_invariant = model, mode

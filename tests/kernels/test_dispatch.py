@@ -12,7 +12,7 @@ import torch
 from tests.models.test_deepseek_dsa import save_tiny_dsa
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.kernels import _dispatch
 
 

@@ -7,8 +7,8 @@ import torch
 
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence
 
 
 def test_forward_compiles_fullgraph(tmp_path):

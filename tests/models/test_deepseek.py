@@ -9,8 +9,8 @@ import torch
 
 from tests.tiny_models import hf_logits, run_capturing_logits
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.model_runner import kv_bytes_per_token
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.runner.model_runner import kv_bytes_per_token
 from tokenfab.layers.mla import MLAAttention
 from tokenfab.layers.moe import FusedMoE
 
@@ -231,7 +231,7 @@ def test_forward_compiles_fullgraph(tmp_path):
     """The MLA + MoE forward traces as one graph through the custom ops' fake implementations
     (store_latent mutating the cache, mla_attention, grouped routing, fused experts) and gives the
     eager result."""
-    from tokenfab.engine.sequence import Sequence
+    from tokenfab.engine.requests.sequence import Sequence
 
     save_tiny_deepseek(tmp_path, num_hidden_layers=1, first_k_dense_replace=0)
     eng = LLMEngine(model=str(tmp_path), num_kv_blocks=16, block_size=4)

@@ -15,7 +15,7 @@ from tests.tiny_models import (
     tiny_config,
 )
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 CASES = {
     "llama": {},

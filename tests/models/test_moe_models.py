@@ -19,7 +19,7 @@ from tests.tiny_models import (
     save_tiny_model,
 )
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.layers.moe import FusedMoE
 
 CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]

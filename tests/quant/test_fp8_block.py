@@ -24,7 +24,7 @@ from tests.models.test_deepseek import save_tiny_deepseek
 from tests.quant.layouts_fp8 import write_fp8_block_checkpoint
 from tests.tiny_models import run_capturing_logits, save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.quant.fp8_block import FP8Linear
 from tokenfab.quant.fp8_experts import FP8Experts
 
@@ -173,7 +173,7 @@ def test_scale_fmt_ue8m0_reaches_the_layers(tmp_path):
 def test_fp8_model_compiles_fullgraph(tmp_path_factory):
     """An FP8 model's forward (DeepSeek: FP8 linears, FP8 experts, MLA reading the dequantized kv_b_proj)
     traces as one graph and gives the eager logits."""
-    from tokenfab.engine.sequence import Sequence
+    from tokenfab.engine.requests.sequence import Sequence
 
     _, root, _ = _build("deepseek-edge", tmp_path_factory)
     eng = _engine(root / "fp8")

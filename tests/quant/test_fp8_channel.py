@@ -13,7 +13,7 @@ import torch
 from tests.quant.layouts_fp8 import write_ct_fp8_checkpoint
 from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.quant.fp8_block import FP8Linear
 
 pytest.importorskip("compressed_tensors")

@@ -19,7 +19,7 @@ import torch
 
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.quant.fp8_block import FP8Linear
 
 TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"

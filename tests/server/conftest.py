@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from tokenfab import LLM, SamplingParams
-from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import ServerConfig, build_app
 
 MAX_MODEL_LEN = 1024

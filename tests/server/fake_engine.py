@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenfab.engine.errors import EngineDeadError
-from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 EOS = 0
 VOCAB = 260

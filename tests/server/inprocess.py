@@ -11,7 +11,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from tests.server.fake_engine import FakeEngine
-from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import ServerConfig, build_app
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from tests.server.fake_engine import FakeEngine
-from tokenfab.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.core.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 
 def _run(coro):

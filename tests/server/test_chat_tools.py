@@ -238,7 +238,7 @@ def test_parser_names_from_the_model_folder_when_the_engine_is_remote(tmp_path) 
 
 
 def test_tools_and_tool_turns_reach_the_template() -> None:
-    from tokenfab.engine.core_client import load_tokenizer
+    from tokenfab.engine.core.client import load_tokenizer
     from tokenfab.server.chat import render_chat
     from tokenfab.server.protocol import ChatCompletionRequest
 
@@ -331,8 +331,8 @@ def test_strict_tools_in_auto_get_a_structural_tag_for_fixed_header_families() -
 def test_strict_tag_grammar_passes_text_and_valid_calls_only(family: str, call: str) -> None:
     """The structural tag compiled by the engine's StructuredOutputCompiler (bundled tokenizer): free text and a
     valid call are accepted; once a call starts, an unknown name or arguments off the strict schema are not."""
-    from tokenfab.engine.core_client import load_tokenizer
-    from tokenfab.engine.structured import StructuredOutputCompiler
+    from tokenfab.engine.core.client import load_tokenizer
+    from tokenfab.engine.runner.structured import StructuredOutputCompiler
     from tokenfab.server.chat_tools import strict_tag_format
     from tokenfab.server.tools import get_tool_parser
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.server.fake_engine import FakeEngine
 from tests.server.fuzzing import _check_error_body, _check_stream, run_schemathesis
 from tests.server.inprocess import fake_server
-from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import ServerConfig, build_app
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenfab.server.responses import ChatCompletionResponse, CompletionResponse, DetokenizeResponse, TokenizeResponse

@@ -151,7 +151,7 @@ def gpt_oss_client(tmp_path_factory):
     from tests.server.conftest import LiveServer
     from tests.server.harmony_model import save_tiny_gpt_oss
     from tokenfab import LLM
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
     from tokenfab.server.app import ServerConfig, build_app
 
     path = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.server.fake_engine import VOCAB, FakeEngine
 from tests.server.inprocess import assert_error, fake_server, gather_posts, post, sse_events
-from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import ServerConfig, build_app
 
 HI = {"prompt": "hi", "max_tokens": 4}

@@ -32,7 +32,7 @@ ASK = [{"role": "user", "content": "Add 1 and 2."}]
 @pytest.fixture(scope="module")
 def reasoning_client():
     from tokenfab import LLM
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
     from tokenfab.server.app import ServerConfig, build_app
 
     llm = LLM(max_model_len=1024)

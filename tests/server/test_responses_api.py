@@ -19,8 +19,8 @@ import pytest
 from tests.server.conftest import GREEDY_CHAT, GREEDY_MAX_TOKENS, LiveServer
 from tests.server.fake_engine import FakeEngine
 from tests.server.inprocess import assert_error, fake_server, sse_events
-from tokenfab.engine.async_engine import AsyncEngine
-from tokenfab.engine.outputs import CompletionOutput, RequestOutput
+from tokenfab.engine.core.async_engine import AsyncEngine
+from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
 from tokenfab.server.app import ServerConfig, build_app
 from tokenfab.server.responses_models import ResponseObject
 from tokenfab.server.responses_store import ResponseStore

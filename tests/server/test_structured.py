@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tokenfab.engine.structured import GrammarConstraint, StructuredOutputCompiler, StructuredOutputError
+from tokenfab.engine.runner.structured import GrammarConstraint, StructuredOutputCompiler, StructuredOutputError
 
 
 @pytest.fixture(scope="module")

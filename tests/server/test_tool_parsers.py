@@ -526,7 +526,7 @@ def test_template_round_trip(family):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenfab.engine.core_client import load_tokenizer
+    from tokenfab.engine.core.client import load_tokenizer
 
     return load_tokenizer(None)
 

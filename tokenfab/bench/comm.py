@@ -54,7 +54,7 @@ def decode_run(model: str | None, batch: int, prompt_len: int, steps: int, seed:
     """In this process (a TP rank, or TP 1): the collectives of one decode-only step and the decode speed."""
     from tokenfab.distributed import parallel_state as ps
     from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     engine = LLMEngine(model=model, seed=seed, max_num_seqs=batch, enable_prefix_caching=False)
     vocab = engine.vocab_size
@@ -121,9 +121,9 @@ def run_tp(tp: int, model: str | None, batch: int, prompt_len: int, steps: int, 
 
 def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int, ep: bool = False) -> float:
     """``tokenfab plan``'s decode bytes sent per rank per token for TP ``tp`` at this batch (float32)."""
-    from tokenfab.distributed.hardware import get_gpu, parse_interconnect
-    from tokenfab.distributed.model_spec import build_spec
-    from tokenfab.distributed.plan import PlanRequest, plan_model
+    from tokenfab.planner.hardware import get_gpu, parse_interconnect
+    from tokenfab.planner.model_spec import build_spec
+    from tokenfab.planner.plan import PlanRequest, plan_model
 
     gpu = get_gpu("h100")
     spec = build_spec(dict(config, torch_dtype="float32"))

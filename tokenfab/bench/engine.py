@@ -85,7 +85,7 @@ WARMUP_TOKENS = 8
 
 def _tokenfab(path: Path, args, work: dict, eager: bool, async_scheduling: bool = False) -> dict:
     from tokenfab.engine.llm import LLM
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(path), dtype=args.dtype, device=args.device, enforce_eager=eager,

@@ -134,7 +134,7 @@ def measure(model: str | None, args: argparse.Namespace, async_scheduling: bool,
             work: dict[int, list[list[int]]]) -> dict[int, tuple[dict, list]]:
     """Per batch size: (best round's figures, its tokens) for one engine."""
     from tokenfab.engine.llm import LLM
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     largest = max(work)
     llm = LLM(model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,

@@ -99,9 +99,9 @@ def _hf_greedy(prompts: list[list[int]], n: int) -> tuple[Any, list[list[int]]]:
 
 def _our_logits(llm: Any, seq: list[int]) -> torch.Tensor:
     """Logits [len(seq), V] of every position of ``seq``, one prefill through a throwaway cache."""
-    from tokenfab.engine.model_runner import ModelRunner
-    from tokenfab.engine.sampling_params import SamplingParams
-    from tokenfab.engine.sequence import Sequence
+    from tokenfab.engine.requests.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sequence import Sequence
+    from tokenfab.engine.runner.model_runner import ModelRunner
 
     eng = llm.engine
     bs = eng.args.block_size

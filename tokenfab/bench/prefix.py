@@ -50,7 +50,7 @@ def _drain(engine, on_output=None) -> None:
 
 
 def shared_prefix(args, caching: bool) -> dict:
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     engine = _engine(args, enable_prefix_caching=caching, max_num_batched_tokens=2048)
     rng = random.Random(1)
@@ -81,7 +81,7 @@ def shared_prefix(args, caching: bool) -> dict:
 
 
 def mixed(args, budget: int) -> dict:
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     engine = _engine(args, max_num_batched_tokens=budget, enable_prefix_caching=False)
     rng = random.Random(2)

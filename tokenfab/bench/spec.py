@@ -89,7 +89,7 @@ def _timed(llm, prompts, params, spec) -> tuple[float, list[list[int]], dict]:
 
 def run(args: argparse.Namespace) -> int:
     from tokenfab import LLM, SamplingParams
-    from tokenfab.spec.config import SpeculativeConfig
+    from tokenfab.speculative.config import SpeculativeConfig
 
     cfg = SpeculativeConfig.parse(args.speculative_config)
     model_based = cfg is not None and cfg.method in ("draft_model", "eagle3", "mtp")

@@ -41,7 +41,7 @@ def step_times(model: str, sizes: list[int], seqs: int, steps: int) -> list[dict
 
     from tokenfab.distributed import two_batch
     from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     top = max(sizes)
     engine = LLMEngine(model=model, max_num_seqs=seqs, max_num_batched_tokens=top, enable_prefix_caching=False,

@@ -108,7 +108,7 @@ def run_tokenfab(args: argparse.Namespace, allocator: str = "tuned") -> tuple[di
     """Our engine: warm up on fresh prompts, then time the measured set. Returns (result,
     measured prompts, warm-up prompts, the LLM)."""
     from tokenfab.engine.llm import LLM
-    from tokenfab.engine.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sampling_params import SamplingParams
 
     tuned = apply_allocator(allocator)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,

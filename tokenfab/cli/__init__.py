@@ -12,7 +12,7 @@ COMMANDS = {
     "generate": ("tokenfab.cli.generate", "generate completions for prompts"),
     "chat": ("tokenfab.cli.chat", "interactive chat in the terminal"),
     "finetune": ("tokenfab.train.cli", "LoRA or full fine-tuning on JSONL chat records"),
-    "plan": ("tokenfab.distributed.plan_cli", "capacity planning on paper: TP/EP/DP layouts, memory, throughput"),
+    "plan": ("tokenfab.planner.cli", "capacity planning on paper: TP/EP/DP layouts, memory, throughput"),
 }
 BENCH_COMMANDS = {
     "throughput": ("tokenfab.bench.throughput", "offline throughput vs transformers"),

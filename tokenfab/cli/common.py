@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.sampling_params import SamplingParams
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -33,7 +33,7 @@ class EngineArgs:
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
     # speculative decoding (vLLM's shape): a JSON string or a dict, e.g. '{"method": "ngram",
-    # "num_speculative_tokens": 4}'; None: off (tokenfab/spec/config.py)
+    # "num_speculative_tokens": 4}'; None: off (tokenfab/speculative/config.py)
     speculative_config: str | dict | None = None
     # KV cache storage (vLLM's flags): "auto" = the model dtype, "fp8" / "fp8_e4m3" = float8 e4m3 with
     # per-layer k/v scales (checkpoint or first-batch calibration; tokenfab/quant/kv_fp8.py)
@@ -44,13 +44,13 @@ class EngineArgs:
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
-    # parallelism (engine/tp_executor.py, engine/dp_client.py): TP ranks per engine (workers spawned
+    # parallelism (executors/tp_executor.py, engine/core/dp_client.py): TP ranks per engine (workers spawned
     # on this node, or torchrun's ranks), engine-core replicas behind one server, experts sharded
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     # EPLB (vLLM's shape): JSON string or dict {"num_redundant_experts": R, "step_interval": N,
-    # "window_size": W}; None: off (tokenfab/distributed/eplb_engine.py)
+    # "window_size": W}; None: off (tokenfab/executors/eplb_engine.py)
     eplb_config: str | dict | None = None
     # two-batch overlap (distributed/two_batch.py): a step of >= tbo_min_tokens tokens at TP/EP > 1 runs
     # as two micro-batches, one's all-reduce in flight while the other computes; None: the default
@@ -62,11 +62,11 @@ class EngineArgs:
 
         parse_kv_cache_dtype(self.kv_cache_dtype)  # a bad value fails here, before the model loads
         parse_skip_layers(self.kv_cache_dtype_skip_layers)
-        from tokenfab.distributed.eplb_engine import EplbConfig
+        from tokenfab.executors.eplb_engine import EplbConfig
 
         if EplbConfig.parse(self.eplb_config) is not None and not self.enable_expert_parallel:
             raise ValueError("eplb_config needs --enable-expert-parallel (EPLB places the experts of EP ranks)")
-        from tokenfab.engine.dp_lockstep import validate_dp_ep
+        from tokenfab.executors.dp_lockstep import validate_dp_ep
 
         validate_dp_ep(self)  # attention-DP + EP: TP 1, none of the options that break the lockstep
 

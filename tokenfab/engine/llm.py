@@ -8,8 +8,8 @@ from typing import Any
 
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.outputs import RequestOutput
-from tokenfab.engine.sampling_params import SEED_MAX, SamplingParams
+from tokenfab.engine.requests.outputs import RequestOutput
+from tokenfab.engine.requests.sampling_params import SEED_MAX, SamplingParams
 
 Prompt = str | list[int]
 

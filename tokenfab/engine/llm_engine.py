@@ -12,7 +12,16 @@ import torch
 
 from tokenfab.distributed import two_batch
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
+from tokenfab.engine.output_processor import TokenTexts, append_text, logprob_entry, visible_text
+from tokenfab.engine.overlap import OverlapScheduler
+from tokenfab.engine.requests.block_manager import BlockManager
+from tokenfab.engine.requests.errors import EngineDeadError, is_device_fatal
+from tokenfab.engine.requests.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
+from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
+from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
     log_memory_figures,
     maybe_pack_cpu_weights,
     physical_memory_bytes,
@@ -20,22 +29,13 @@ from tokenfab.engine.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_al
     resolve_dtype,
     tune_cpu_allocator,
 )
-from tokenfab.engine.errors import EngineDeadError, is_device_fatal
-from tokenfab.engine.kv_budget import kv_cache_blocks
-from tokenfab.engine.kv_cache import BlockManager
-from tokenfab.engine.model_runner import ModelRunner, kv_bytes_per_token
-from tokenfab.engine.output_processor import TokenTexts, append_text, logprob_entry, visible_text
-from tokenfab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenfab.engine.overlap import OverlapScheduler
-from tokenfab.engine.prompt_logprobs import prompt_rows_of, score_prompt
-from tokenfab.engine.sampler import sample_next
-from tokenfab.engine.sampling_params import SamplingParams
-from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
-from tokenfab.engine.sequence import Sequence, SequenceStatus
-from tokenfab.engine.stats import EngineStats
+from tokenfab.engine.runner.kv_budget import kv_cache_blocks
+from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
+from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
+from tokenfab.engine.runner.sampler import sample_next
 from tokenfab.loader.model_loader import config_max_len, load_model, text_config
 from tokenfab.quant.kv_fp8 import configure_kv_cache
-from tokenfab.spec.config import SpeculativeConfig
+from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.tokenizer import eos_token_ids
 
 log = logging.getLogger("tokenfab")
@@ -49,9 +49,9 @@ class LLMEngine:
         spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad config fails before the load
         self.args = args
         self.scheduling_policy = args.scheduling_policy
-        self.tp = None  # tensor parallel: rank 0's handle on the worker ranks (engine/tp_executor.py)
+        self.tp = None  # tensor parallel: rank 0's handle on the worker ranks (executors/tp_executor.py)
         if args.tensor_parallel_size != 1:
-            from tokenfab.engine.tp_executor import start_tensor_parallel
+            from tokenfab.executors.tp_executor import start_tensor_parallel
 
             self.tp = start_tensor_parallel(args)  # before the load: layers shard at build time
         self.device = resolve_device(args.device)
@@ -73,9 +73,9 @@ class LLMEngine:
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         two_batch.configure_from_args(args)  # --enable-two-batch-overlap (every TP rank does the same)
         self.memory = log_memory_figures(self.model, self.dtype, copies)
-        self.spec = None  # speculative decoding (tokenfab/spec/step.py); a draft module loads here
+        self.spec = None  # speculative decoding (tokenfab/speculative/step.py); a draft module loads here
         if spec_config is not None:
-            from tokenfab.spec.step import SpecDecoder
+            from tokenfab.speculative.step import SpecDecoder
 
             self.spec = SpecDecoder(spec_config, self)
         draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
@@ -117,7 +117,7 @@ class LLMEngine:
         return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks)
 
     def _make_eplb(self, args: EngineArgs) -> object:
-        from tokenfab.distributed.eplb_engine import EplbConfig, EplbController
+        from tokenfab.executors.eplb_engine import EplbConfig, EplbController
 
         cfg = EplbConfig.parse(args.eplb_config)
         if cfg is None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenfab.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.tokenizer import detokenize_incrementally
 
 
@@ -128,7 +128,7 @@ class OutputProcessor:
                 stop_reason: int | str | None, error: str | None, num_cached_tokens: int,
                 prompt_logprobs: list | None, stopped: list[str]) -> RequestOutput | None:
         """One output record of the core (see ``ipc``); None for a request no longer tracked."""
-        from tokenfab.engine.ipc import logprobs_from_wire
+        from tokenfab.engine.core.ipc import logprobs_from_wire
 
         st = self.states.get(request_id)
         if st is None:

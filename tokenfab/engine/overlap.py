@@ -49,11 +49,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenfab.engine.errors import EngineDeadError
-from tokenfab.engine.outputs import RequestOutput
-from tokenfab.engine.sampler import logprob_rows, logprob_tensors, sample_tokens
-from tokenfab.engine.scheduler import ScheduledBatch
-from tokenfab.engine.sequence import Sequence
+from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.outputs import RequestOutput
+from tokenfab.engine.requests.scheduler import ScheduledBatch
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.sampler import logprob_rows, logprob_tensors, sample_tokens
 
 if TYPE_CHECKING:
     from tokenfab.engine.llm_engine import LLMEngine
@@ -161,7 +161,7 @@ class OverlapScheduler:
     # ---- internals -------------------------------------------------------------------
     def _spec_step(self) -> list[RequestOutput]:
         """A step that may carry speculative drafts runs synchronously: the proposer needs every
-        sequence's latest token on the host (tokenfab/spec/step.py)."""
+        sequence's latest token on the host (tokenfab/speculative/step.py)."""
         eng = self.engine
         self.num_sync_steps += 1
         outputs = self.resolve()

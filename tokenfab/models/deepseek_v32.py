@@ -60,7 +60,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             return DecoderLayer(config, attn, mlp)
 
         MoECausalLM.__init__(self, config, make_layer)
-        self.mtp_weights: dict = {}  # MTP layers kept aside at load (DeepseekV3ForCausalLM; spec/mtp.py)
+        self.mtp_weights: dict = {}  # MTP layers kept aside at load (DeepseekV3ForCausalLM; speculative/mtp.py)
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -19,7 +19,7 @@ cache-owning layers, which is the decoder-layer order) and/or ``sliding_window``
 sliding window, as vLLM has). DSA layers (DeepSeek-V3.2 / GLM-5) store their index key in the same
 FP8 row under the same scale (the indexer reads it unscaled: its top-k is invariant to a positive scale).
 
-The model runner (``engine/model_runner.py``) allocates one cache tensor per dtype and binds each
+The model runner (``engine/runner/model_runner.py``) allocates one cache tensor per dtype and binds each
 layer's slices and scales; the layers (``layers/attention.py``, ``layers/mla.py``) pass the scales to
 the kernels.
 """

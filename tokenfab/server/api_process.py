@@ -1,6 +1,6 @@
 """``tokenfab serve --api-server-count N``: N API-server processes, one engine core.
 
-The parent starts the engine core (``engine/core_process.py``), binds the listening socket once,
+The parent starts the engine core (``engine/core/process.py``), binds the listening socket once,
 and starts N workers (``python -m tokenfab.server.api_process``) that inherit the socket's file
 descriptor: the kernel spreads the connections over them. Each worker tokenizes, templates,
 detokenizes and streams for its own clients, and talks to the one core over its own DEALER
@@ -28,9 +28,9 @@ from typing import Any
 
 import zmq
 
-from tokenfab.engine import ipc
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.core_process import pid_alive, pid_fd
+from tokenfab.engine.core import ipc
+from tokenfab.engine.core.process import pid_alive, pid_fd
 
 log = logging.getLogger("tokenfab.server")
 
@@ -62,7 +62,7 @@ def run_multi(args: argparse.Namespace) -> int:
     address = f"ipc://{workdir}/core.sock"
     engine_args = dataclasses.asdict(EngineArgs.from_cli_args(args))
     t0 = time.perf_counter()
-    core = subprocess.Popen([sys.executable, "-m", "tokenfab.engine.core_process", "--address", address,
+    core = subprocess.Popen([sys.executable, "-m", "tokenfab.engine.core.process", "--address", address,
                              "--args-json", json.dumps(engine_args), "--parent-pid", str(os.getpid()),
                              "--log-level", args.log_level])
     workers: list[subprocess.Popen] = []
@@ -134,7 +134,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**json.loads(ns.serve_args_json))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {ns.index}]: %(message)s")
-    from tokenfab.engine.core_client import EngineCoreClient, load_tokenizer
+    from tokenfab.engine.core.client import EngineCoreClient, load_tokenizer
     from tokenfab.server.cli import serve_on
 
     client = EngineCoreClient(ns.address, ns.core_pid, load_tokenizer(args.model))

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from tokenfab.engine.async_engine import AsyncEngine
+from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.auth import AuthMiddleware
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
 from tokenfab.server.chat_harmony import (
     HarmonyShaper,
     harmony_prefill,

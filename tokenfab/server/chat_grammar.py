@@ -1,4 +1,4 @@
-"""Grammars for tool calls in /v1/chat/completions (xgrammar, compiled by ``engine/structured.py``).
+"""Grammars for tool calls in /v1/chat/completions (xgrammar, compiled by ``engine/runner/structured.py``).
 
 - ``tool_choice: "required"`` and a named function (`grammar_format`): the output is JSON, Llama-3's
   ``{"name": NAME, "parameters": {...}}`` (one object per tool, ``const`` names, an array of them when

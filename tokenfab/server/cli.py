@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.responses_store_size < 0 or not args.responses_ttl > 0:
         print("tokenfab serve: --responses-store-size must be >= 0 and --responses-ttl > 0", file=sys.stderr)
         return 2
-    from tokenfab.engine.tp_executor import launched_by_torchrun
+    from tokenfab.executors.tp_executor import launched_by_torchrun
 
     if launched_by_torchrun():  # torchrun: rank 0 serves, every other rank is a TP worker
         world = int(os.environ["WORLD_SIZE"])
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tensor_parallel_size == 1:
             args.tensor_parallel_size = world
         if int(os.environ["RANK"]) != 0:
-            from tokenfab.engine.tp_worker import torchrun_worker_main
+            from tokenfab.executors.tp_worker import torchrun_worker_main
 
             return torchrun_worker_main(EngineArgs.from_cli_args(args))
     for flag in ("tensor_parallel_size", "data_parallel_size"):
@@ -139,10 +139,10 @@ def load_engine(args: argparse.Namespace) -> object | None:
 
             return LLMEngine(engine_args)
         if engine_args.data_parallel_size > 1:
-            from tokenfab.engine.dp_client import DPClient
+            from tokenfab.engine.core.dp_client import DPClient
 
             return DPClient.spawn(engine_args, args.log_level)
-        from tokenfab.engine.core_client import EngineCoreClient
+        from tokenfab.engine.core.client import EngineCoreClient
 
         return EngineCoreClient.spawn(engine_args, args.log_level)
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
@@ -181,7 +181,7 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
     """uvicorn on ``sock`` over ``engine`` until SIGTERM/SIGINT (which drain the running requests)."""
     import uvicorn
 
-    from tokenfab.engine.async_engine import AsyncEngine
+    from tokenfab.engine.core.async_engine import AsyncEngine
     from tokenfab.server.app import ServerConfig, build_app
 
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
 from tokenfab.server.errors import APIError
 from tokenfab.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import CompletionRequest, random_id

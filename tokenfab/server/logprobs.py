@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenfab.engine.outputs import Logprob
+from tokenfab.engine.requests.outputs import Logprob
 
 
 def token_str(lp: dict[int, Logprob] | None, tok: int, tokenizer: Any) -> str:

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from tokenfab.engine.async_engine import StreamChunk
+from tokenfab.engine.core.async_engine import StreamChunk
 from tokenfab.server.chat import parser_names
 from tokenfab.server.chat_harmony import HarmonyShaper, harmony_stop_token_ids, render_harmony_prompt, uses_harmony
 from tokenfab.server.chat_tools import ChoiceShaper, check_request, grammar_format

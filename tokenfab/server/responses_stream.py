@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenfab.engine.async_engine import RequestStream, StreamChunk
+from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
 from tokenfab.server.chat_harmony import HarmonyShaper
 from tokenfab.server.chat_tools import ChoiceShaper
 from tokenfab.server.streaming import ClientGone, finish, stream_error, watch

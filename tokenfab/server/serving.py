@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tokenfab.engine.async_engine import AsyncEngine, RequestStream
-from tokenfab.engine.errors import EngineDeadError, QueueFullError
-from tokenfab.engine.sampling_params import SamplingParams
+from tokenfab.engine.core.async_engine import AsyncEngine, RequestStream
+from tokenfab.engine.requests.errors import EngineDeadError, QueueFullError
+from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.server.chat import render_chat
 from tokenfab.server.errors import APIError, param_of
 from tokenfab.server.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -147,7 +147,7 @@ class OpenAIServer:
     async def build_constraint(self, response_format: Any) -> Any:
         if response_format is None or response_format.type == "text":
             return None
-        from tokenfab.engine.structured import StructuredOutputCompiler, StructuredOutputError
+        from tokenfab.engine.runner.structured import StructuredOutputCompiler, StructuredOutputError
 
         if response_format.type == "json_schema" and (response_format.json_schema is None
                                                       or response_format.json_schema.json_schema is None):

@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenfab.engine.async_engine import RequestStream, StreamChunk
-from tokenfab.engine.errors import EngineDeadError, RequestFailedError
+from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
+from tokenfab.engine.requests.errors import EngineDeadError, RequestFailedError
 from tokenfab.server.errors import APIError, error_body
 
 logger = logging.getLogger("tokenfab.server")

@@ -1,0 +1,198 @@
+"""The paged KV cache's block manager, with prefix caching.
+
+Blocks hold ``block_size`` tokens. A full block is identified by a digest chained over the
+whole prefix up to and including it (BLAKE2b-128 of the parent's digest and the block's token
+bytes), so equal blocks at different prefixes never match, and nobody can compute a collision
+(Python's ``hash()`` of ints is unsalted: colliding prompts can be found offline, and a collision
+would serve one user another user's KV). A request's ``cache_salt`` is mixed into the first
+block's digest only: requests with different salts never share a block, equal salts do.
+
+Every block has a reference count; a block whose count drops to zero goes to the free queue
+but keeps its digest, so a later request with the same prefix can take it back (a prefix-cache
+hit) until its memory is needed: allocation takes the least recently freed block first (LRU)
+and only then forgets its digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from tokenfab.engine.requests.sequence import Sequence
+
+_DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
+
+
+def root_digest(cache_salt: str | None = None) -> bytes:
+    """The "parent" of a sequence's first block: a constant, or a digest of the salt."""
+    h = hashlib.blake2b(b"tokenfab-prefix-cache-root", digest_size=_DIGEST_SIZE)
+    if cache_salt is not None:
+        h.update(b"\x00salt\x00")
+        h.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+_ROOT = root_digest()
+
+
+def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:
+    """BLAKE2b-128 over the parent's digest and the block's tokens as int32 bytes (fixed width: no
+    two token lists share an encoding). Stable across processes, unlike ``hash()``."""
+    h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
+    h.update(array("i", tokens).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # digest -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # counters
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of which found
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def _full_block_hashes(self, seq: Sequence, upto_tokens: int) -> list[bytes]:
+        """seq.block_hashes, extended in place to the full blocks within its first ``upto_tokens``
+        tokens (a block's digest depends only on tokens, which never change once known)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        if hashes:
+            parent = hashes[-1]
+        else:
+            parent = _ROOT if seq.cache_salt is None else root_digest(seq.cache_salt)
+        for i in range(len(hashes), upto_tokens // bs):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with no blocks yet: take every cached block of its known tokens'
+        prefix (at least one token is left to compute, for the logits). Returns tokens hit."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            # a cached block has no logits: a request that scores its prompt computes all of it
+            self.prefix_queries += seq.num_tokens
+            return 0
+        hashes = self._full_block_hashes(seq, seq.num_tokens - 1)
+        hit = 0
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.block_table.append(block)
+            hit += 1
+        seq.num_computed_tokens = hit * self.block_size
+        seq.num_committed_blocks = hit
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = seq.num_computed_tokens // self.block_size
+        if n_full <= seq.num_committed_blocks:
+            return
+        hashes = self._full_block_hashes(seq, n_full * self.block_size)
+        for i in range(seq.num_committed_blocks, n_full):  # only the blocks filled since last time
+            block, h = seq.block_table[i], hashes[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+        seq.num_committed_blocks = n_full
+
+    # ---- allocation -----------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)  # least recently freed first
+        h = self.block_hash[block]
+        if h is not None:
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq enough blocks for ``num_new_tokens`` more computed tokens; False if short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks beyond those holding seq's computed tokens (speculative decoding:
+        blocks allocated for draft tokens that were rejected). Such blocks were freshly allocated
+        for this step, so they are unshared and carry no prefix-cache digest."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references. Tail blocks go first in the free queue: they are the least
+        likely to be shared, so they are the first evicted."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self.block_hash[block] = None
+        self.cached.clear()
+
+    def check_invariants(self) -> None:
+        """Assert the internal bookkeeping is consistent (tests and debugging)."""
+        assert len(self.free_queue) == sum(1 for r in self.ref_counts if r == 0)
+        for b in self.free_queue:
+            assert self.ref_counts[b] == 0
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h
+        assert all(r >= 0 for r in self.ref_counts)

@@ -1,0 +1,1 @@
+"""Parallel executors: the tensor-parallel executor and its workers, attention-DP lockstep, EPLB in the engine."""

@@ -1,0 +1,1 @@
+"""`tokenfab plan`: parallel layouts and memory per device from a model config and a hardware description."""
