@@ -37,8 +37,10 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
+# ruff, then the import layers and the no-cycle contracts declared in pyproject.toml ([tool.importlinter])
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tokenfab tests
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(VENV)/bin/tokenfab bench throughput
