@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenfab.distributed import ep_dispatch, two_batch
 from tokenfab.distributed import parallel_state as ps
+from tokenfab.distributed.admission import check_moe_layout, experts_tp_sharded
 from tokenfab.distributed.eplb import ExpertPlacement, identity_placement, rebalance_experts, select_replica
 from tokenfab.kernels import silu_and_mul
 from tokenfab.kernels.moe import ACTIVATIONS, fused_experts, grouped_topk, topk_softmax
@@ -85,9 +86,8 @@ class FusedMoE(nn.Module):
         st = ps.get_parallel_state()
         self.ep_size, self.ep_rank = st.ep_size, st.ep_rank
         self.tp_size, self.tp_rank = st.tp_size, st.tp_rank
-        self.tp_sharded = self.ep_size == 1 and self.tp_size > 1
-        if self.tp_sharded and intermediate_size % self.tp_size:
-            raise ValueError(f"expert intermediate size {intermediate_size} does not divide by TP {self.tp_size}")
+        self.tp_sharded = experts_tp_sharded(self.tp_size, self.ep_size)
+        check_moe_layout(self.tp_size, self.ep_size, intermediate_size=intermediate_size)
         self.full_intermediate_size = intermediate_size
         if self.tp_sharded:
             intermediate_size //= self.tp_size
@@ -137,9 +137,7 @@ class FusedMoE(nn.Module):
 
     def set_quant_experts(self, experts: nn.Module) -> None:
         """Hand the experts' product and weights to a quantized module; the plain stacked weights go."""
-        if self.tp_sharded:
-            raise NotImplementedError("quantized experts split by tensor parallelism are not supported: "
-                                      "use --enable-expert-parallel (whole experts per rank)")
+        check_moe_layout(self.tp_size, self.ep_size, quantized_experts=True)  # TP-split quantized experts: refused
         self.quant_experts = experts
         for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
             setattr(self, name, None)
