@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tokenfab.distributed import admission
 from tokenfab.engine.requests.errors import EngineDeadError
 
 log = logging.getLogger("tokenfab.dp")
@@ -43,27 +44,17 @@ _FLAG_TIMEOUT = timedelta(days=365)  # a busy peer may take long; a dead one clo
 
 def dp_ep_enabled(args: Any) -> bool:
     """Whether ``args`` ask for attention-DP + EP (checked on the API server's side)."""
-    return int(args.data_parallel_size) > 1 and bool(args.enable_expert_parallel)
+    return admission.dp_ep_enabled(args.data_parallel_size, args.enable_expert_parallel)
 
 
 def validate_dp_ep(args: Any) -> None:
-    """Refuse the options this layout cannot keep in lockstep yet (a clear error before any load)."""
+    """Refuse the options this layout cannot keep in lockstep yet (a clear error before any load); the rule
+    lives in ``distributed/admission.py``, shared with ``tokenfab plan``."""
     if not dp_ep_enabled(args):
         return
-    bad = []
-    if int(args.tensor_parallel_size) != 1:
-        bad.append(f"--tensor-parallel-size {args.tensor_parallel_size} (TP 1 per replica only, for now)")
-    if args.speculative_config is not None:
-        bad.append("--speculative-config")
-    if args.async_scheduling:
-        bad.append("--async-scheduling")
-    if args.eplb_config is not None:
-        bad.append("--eplb-config")
-    if args.enable_two_batch_overlap:
-        bad.append("--enable-two-batch-overlap")
-    if bad:
-        raise ValueError("--data-parallel-size N --enable-expert-parallel (attention-DP + EP) does not support "
-                         + ", ".join(bad))
+    admission.check_dp_ep(args.data_parallel_size, args.enable_expert_parallel, args.tensor_parallel_size,
+                          speculative=args.speculative_config is not None, async_scheduling=bool(args.async_scheduling),
+                          eplb=args.eplb_config is not None, two_batch_overlap=bool(args.enable_two_batch_overlap))
 
 
 def replica_env(rank: int, size: int, master: str) -> dict[str, str]:
