@@ -3,13 +3,8 @@ biases as the Hugging Face modules of each architecture, named as in the checkpo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tokenfab.planner.hardware import PlanInputError
-from tokenfab.planner.model_spec import AttentionShape, ModelSpec, Weight
-
-if TYPE_CHECKING:
-    from tokenfab.planner.model_spec import _Cfg
+from tokenfab.planner.spec_types import AttentionShape, ConfigReader, ModelSpec, Weight
 
 
 def _vec(name: str, n: int, kind: str = "rep") -> Weight:
@@ -37,7 +32,7 @@ def _experts(out: list[Weight], prefix: str, names: tuple[str, str, str], hidden
     out.append(Weight(f"{prefix}.0.{down}.weight", hidden, inter, "erow", experts=n))
 
 
-def _gqa(out: list[Weight], p: str, c: _Cfg, hidden: int, heads: int, kv: int, hd: int, qkv_bias: bool,
+def _gqa(out: list[Weight], p: str, c: ConfigReader, hidden: int, heads: int, kv: int, hd: int, qkv_bias: bool,
          o_bias: bool, qk_norm: bool) -> None:
     _linear(out, f"{p}.q_proj", heads * hd, hidden, "col", qkv_bias)
     _linear(out, f"{p}.k_proj", kv * hd, hidden, "kv", qkv_bias)
@@ -47,7 +42,7 @@ def _gqa(out: list[Weight], p: str, c: _Cfg, hidden: int, heads: int, kv: int, h
         out += [_vec(f"{p}.q_norm.weight", hd), _vec(f"{p}.k_norm.weight", hd)]
 
 
-def _mla(out: list[Weight], p: str, c: _Cfg, hidden: int, heads: int, dsa_indexer: bool) -> None:
+def _mla(out: list[Weight], p: str, c: ConfigReader, hidden: int, heads: int, dsa_indexer: bool) -> None:
     q_lora, r = c.opt_int("q_lora_rank"), c.int("kv_lora_rank")
     nope, rope, v = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim")
     bias = c.flag("attention_bias")
@@ -71,14 +66,14 @@ def _mla(out: list[Weight], p: str, c: _Cfg, hidden: int, heads: int, dsa_indexe
         _linear(out, f"{p}.indexer.weights_proj", ih, hidden, "rep")
 
 
-def _layer_types(c: _Cfg, key: str, n: int, default: list[str]) -> list[str]:
+def _layer_types(c: ConfigReader, key: str, n: int, default: list[str]) -> list[str]:
     types = c.d.get(key) or default
     if not isinstance(types, list) or len(types) != n:
         raise PlanInputError(f"config.json: {key!r} must list one entry per layer ({n})")
     return [str(t) for t in types]
 
 
-def build(model_type: str, c: _Cfg) -> ModelSpec:
+def build(model_type: str, c: ConfigReader) -> ModelSpec:
     hidden, n_layers, vocab = c.int("hidden_size"), c.int("num_hidden_layers"), c.int("vocab_size")
     heads = c.int("num_attention_heads")
     w: list[Weight] = [Weight("model.embed_tokens.weight", vocab, hidden, "vocab", linear=False, quantizable=False)]

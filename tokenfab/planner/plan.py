@@ -33,8 +33,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tokenfab.planner.hardware import GpuSpec, Interconnect, PlanInputError
-from tokenfab.planner.model_spec import ModelSpec, Weight
 from tokenfab.planner.quant_bytes import QuantScheme, parse_quantization
+from tokenfab.planner.spec_types import ModelSpec, Weight
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4}
 KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}

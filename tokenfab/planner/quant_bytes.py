@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfab.planner.hardware import PlanInputError
-from tokenfab.planner.model_spec import Weight
+from tokenfab.planner.spec_types import Weight
 
 SUPPORTED = ("fp8", "compressed-tensors", "mxfp4", "modelopt")
 
