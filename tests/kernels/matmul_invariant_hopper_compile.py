@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
+from tests.kernels.hopper_harness import BF16, F32, compile_workloads, run_cli  # noqa: E402
 
 
 def _mm(m: int, n: int, k: int, dtype: torch.dtype, bias: bool = False) -> None:
@@ -33,34 +33,22 @@ def _mm(m: int, n: int, k: int, dtype: torch.dtype, bias: bool = False) -> None:
 
 
 def _workloads() -> list[tuple[str, Callable[[], None]]]:
-    bf16, f32 = torch.bfloat16, torch.float32
     work: list[tuple[str, Callable[[], None]]] = []
     # M = 1, M = 5 and M % 16 == 0 are Triton's three specialisations of the row count
     for name, n, k, ms in (("qkv", 6144, 4096, (1, 5, 4096)), ("gate_up", 28672, 4096, (1, 4096)),
                            ("down", 4096, 14336, (5,)), ("lm_head", 128256, 4096, (5,))):
         for m in ms:
-            work.append((f"invariant mm bf16 llama-8b {name} {n}x{k} M={m}", lambda m=m, n=n, k=k: _mm(m, n, k, bf16)))
-    work.append(("invariant mm bf16 qwen2 qkv+bias 1280x896 M=5", lambda: _mm(5, 1280, 896, bf16, True)))
-    work.append(("invariant mm fp32 576x960 M=5", lambda: _mm(5, 960, 576, f32)))
-    work.append(("invariant mm fp32 4096x4090 ragged K M=64", lambda: _mm(64, 4096, 4090, f32)))
+            work.append((f"invariant mm bf16 llama-8b {name} {n}x{k} M={m}", lambda m=m, n=n, k=k: _mm(m, n, k, BF16)))
+    work.append(("invariant mm bf16 qwen2 qkv+bias 1280x896 M=5", lambda: _mm(5, 1280, 896, BF16, True)))
+    work.append(("invariant mm fp32 576x960 M=5", lambda: _mm(5, 960, 576, F32)))
+    work.append(("invariant mm fp32 4096x4090 ragged K M=64", lambda: _mm(64, 4096, 4090, F32)))
     return work
 
 
 def compile_all(only: str | None = None) -> list[dict]:
     from tokenfab.kernels import matmul_invariant
 
-    results: list[dict] = []
-    current = {"label": ""}
-    saved = patch_kernels([matmul_invariant], results, lambda: current["label"])
-    try:
-        for label, fn in _workloads():
-            if only and only not in label:
-                continue
-            current["label"] = label
-            fn()
-    finally:
-        restore(saved)
-    return results
+    return compile_workloads([matmul_invariant], _workloads(), only)
 
 
 def main(argv: list[str] | None = None) -> int:

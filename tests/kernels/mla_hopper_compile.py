@@ -23,11 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import ON_REQUEST, patch_kernels, restore, run_cli  # noqa: E402
-
-BF16 = torch.bfloat16
-F32 = torch.float32
-FP8 = torch.float8_e4m3fn  # the FP8 latent cache (rows labelled fp8-kv compile with --only fp8-kv)
+# the FP8 latent cache: rows labelled fp8-kv compile with --only fp8-kv
+from tests.kernels.hopper_harness import BF16, F32, FP8, ON_REQUEST, compile_workloads, run_cli  # noqa: E402
 
 
 def _mla(q_lens: list[int], ctx: int, h: int, r: int, rope: int, dtype: torch.dtype, bs: int = 64,
@@ -105,18 +102,7 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 def compile_all(only: str | None = None) -> list[dict]:
     from tokenfab.kernels import dsa, dsa_indexer, mla, paged
 
-    results: list[dict] = []
-    current = {"label": ""}
-    saved = patch_kernels([mla, dsa, dsa_indexer, paged], results, lambda: current["label"])
-    try:
-        for label, fn in _workloads():
-            if (only and only not in label) or (not only and ON_REQUEST in label):
-                continue
-            current["label"] = label
-            fn()
-    finally:
-        restore(saved)
-    return results
+    return compile_workloads([mla, dsa, dsa_indexer, paged], _workloads(), only, on_request=ON_REQUEST)
 
 
 def main(argv: list[str] | None = None) -> int:

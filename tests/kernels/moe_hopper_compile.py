@@ -22,10 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
-
-BF16 = torch.bfloat16
-F32 = torch.float32
+from tests.kernels.hopper_harness import BF16, F32, compile_workloads, run_cli  # noqa: E402
 
 
 def _experts(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, act: str = "silu", bias: bool = False):
@@ -75,18 +72,8 @@ QUICK = ("topk_softmax bf16 [8192", "grouped_topk", "qwen3-30b-a3b bf16 T=1", "q
 def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
     from tokenfab.kernels import moe_align, moe_gemm, moe_routing
 
-    results: list[dict] = []
-    current = {"label": ""}
-    saved = patch_kernels([moe_routing, moe_align, moe_gemm], results, lambda: current["label"])
-    try:
-        for label, fn in _workloads():
-            if (only and only not in label) or (quick and not label.startswith(QUICK)):
-                continue
-            current["label"] = label
-            fn()
-    finally:
-        restore(saved)
-    return results
+    return compile_workloads([moe_routing, moe_align, moe_gemm], _workloads(), only,
+                             subset=QUICK if quick else None)
 
 
 def main(argv: list[str] | None = None) -> int:

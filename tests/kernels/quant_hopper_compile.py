@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
-
-FP8 = torch.float8_e4m3fn
+from tests.kernels.hopper_harness import FP8, compile_workloads, run_cli  # noqa: E402
 
 
 def _gemm(m: int, n: int, k: int, block: bool) -> None:
@@ -73,18 +71,7 @@ def _moe(t: int) -> None:
 def compile_all(only: str | None = None) -> list[dict]:
     from tokenfab.kernels import moe_align, moe_fp8, moe_gemm, quant
 
-    results: list[dict] = []
-    current = {"label": ""}
-    saved = patch_kernels([quant, moe_fp8, moe_align, moe_gemm], results, lambda: current["label"])
-    try:
-        for label, fn in _workloads():
-            if only and only not in label:
-                continue
-            current["label"] = label
-            fn()
-    finally:
-        restore(saved)
-    return results
+    return compile_workloads([quant, moe_fp8, moe_align, moe_gemm], _workloads(), only)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,33 +9,14 @@ script: ``python tests/kernels/hopper_compile.py --markdown``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.kernels.conftest import HAS_CUDA
-
-HERE = Path(__file__).resolve().parent
-H100_MAX_SHARED = 227 * 1024  # opt-in shared memory per block on sm_90
+from tests.kernels.hopper_harness import H100_MAX_SHARED, script_records
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
-    if HAS_CUDA:
-        pytest.skip("a GPU is present: the kernel tests compiled and ran the kernels for real")
-    out = tmp_path_factory.mktemp("hopper") / "compile.json"
-    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
-    env["TRITON_INTERPRET"] = "0"  # real @triton.jit functions (tokenfab.kernels._launch honours it)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "hopper_compile.py"), "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parents[1],
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return script_records(tmp_path_factory, "hopper_compile.py")
 
 
 def test_every_kernel_compiles(records):

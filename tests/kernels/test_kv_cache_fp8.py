@@ -14,12 +14,6 @@ Interpreter, small shapes (fast tier). The Hopper compile of the fp8 variants is
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -351,24 +345,14 @@ def test_mla_dsa_fp8_ops_and_fakes(monkeypatch, gen):
 
 
 @pytest.mark.slow
-def test_fp8_kv_kernels_compile_for_hopper(tmp_path):
+def test_fp8_kv_kernels_compile_for_hopper(tmp_path_factory):
     """Kernel rule 5: the fp8-cache variants of store_kv, decode, prefill, MLA and sparse MLA compile for
     sm_90 at the dispatcher's configs, without spills, the 16-bit products on tensor cores (prefill:
     HGMMA; decode and MLA: at least HMMA). Subprocess: this process imported triton for the interpreter."""
-    from tests.kernels.conftest import HAS_CUDA
+    from tests.kernels.hopper_harness import script_records
 
-    if HAS_CUDA:
-        pytest.skip("a GPU is present: the kernel tests compiled and ran the kernels for real")
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
-    env["TRITON_INTERPRET"] = "0"
-    records = []
-    for script in ("hopper_compile.py", "mla_hopper_compile.py"):
-        out = tmp_path / f"{script}.json"
-        proc = subprocess.run([sys.executable, str(here / script), "--only", "fp8-kv", "--json", str(out)],
-                              env=env, capture_output=True, text=True, timeout=900, cwd=here.parents[1])
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        records += json.loads(out.read_text())
+    records = [r for script in ("hopper_compile.py", "mla_hopper_compile.py")
+               for r in script_records(tmp_path_factory, script, ["--only", "fp8-kv"], timeout=900)]
     kernels = {r["kernel"] for r in records}
     assert {"_store_kv_kernel", "_decode_split_kernel", "_prefill_kernel", "_mla_split_kernel",
             "_dsa_sparse_split_kernel"} <= kernels, kernels

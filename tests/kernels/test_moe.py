@@ -3,16 +3,10 @@ on CPU (or compiled on a GPU); the FusedMoE layer through both paths; the Hopper
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.kernels.conftest import HAS_CUDA
+from tests.kernels.hopper_harness import assert_fits_hopper, script_records
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import moe
 from tokenfab.layers.moe import FusedMoE, GatedMLP
@@ -290,18 +284,7 @@ def test_load_expert_weight_tracks_completeness():
 
 @pytest.fixture(scope="module")
 def hopper_records(tmp_path_factory) -> list[dict]:
-    if HAS_CUDA:
-        pytest.skip("a GPU is present: the tests above compiled and ran the kernels for real")
-    out = tmp_path_factory.mktemp("moe_hopper") / "compile.json"
-    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
-    env["TRITON_INTERPRET"] = "0"
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run(
-        [sys.executable, str(here / "moe_hopper_compile.py"), "--quick", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=here.parents[1],
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return script_records(tmp_path_factory, "moe_hopper_compile.py", ["--quick"])
 
 
 def test_moe_kernels_compile_for_hopper(hopper_records):
@@ -311,10 +294,7 @@ def test_moe_kernels_compile_for_hopper(hopper_records):
     defined = {n for n, o in vars(moe).items() if isinstance(o, (JITFunction, InterpretedFunction))
                and n.endswith("_kernel")}
     assert defined <= {r["kernel"] for r in hopper_records}
-    for r in hopper_records:
-        assert r["local"] == 0 and r["stack"] == 0, f"spills: {r}"
-        assert r["shared"] <= 227 * 1024, r
-        assert r["registers"] * 32 * r["num_warps"] <= 65536, r
+    assert_fits_hopper(hopper_records)
 
 
 def test_fused_moe_large_tiles_use_hgmma(hopper_records):

@@ -5,38 +5,19 @@ The table in tokenfab/kernels/README.md comes from ``tests/kernels/w4a16_hopper_
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.kernels.conftest import HAS_CUDA
+from tests.kernels.hopper_harness import script_records
 
-HERE = Path(__file__).resolve().parent
 GEMMS = ("_w4a16_kernel", "_moe_w4_gate_up_kernel", "_moe_w4_down_kernel")
 OURS = (*GEMMS, "_w4a16_reduce_kernel")
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
-    if HAS_CUDA:
-        pytest.skip("a GPU is present: the kernel tests compiled and ran the kernels for real")
-    out = tmp_path_factory.mktemp("hopper") / "w4a16.json"
-    env = {k: v for k, v in os.environ.items() if k != "TOKENFAB_KERNELS"}
-    env["TRITON_INTERPRET"] = "0"
-    recs: list[dict] = []
     # every MoE workload and the dense kernel's decode (M=1, M=16) and largest prefill buckets
-    for i, only in enumerate(("M=1", "M=4096", "moe_w4a16")):
-        path = out.with_name(f"w4a16_{i}.json")
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "w4a16_hopper_compile.py"), "--json", str(path), "--only", only],
-            env=env, capture_output=True, text=True, timeout=600, cwd=HERE.parents[1],
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        recs += json.loads(path.read_text())
+    recs = script_records(tmp_path_factory, "w4a16_hopper_compile.py", *(("--only", o) for o in
+                                                                         ("M=1", "M=4096", "moe_w4a16")))
     return [r for r in recs if r["kernel"] in OURS]
 
 

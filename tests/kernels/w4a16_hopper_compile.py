@@ -20,10 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.kernels.hopper_compile import patch_kernels, restore, run_cli  # noqa: E402
-
-BF16 = torch.bfloat16
-F32 = torch.float32
+from tests.kernels.hopper_harness import BF16, F32, compile_workloads, run_cli  # noqa: E402
 
 
 def _scales(codec: str, n: int, k: int) -> torch.Tensor:
@@ -80,18 +77,7 @@ def kernel_modules() -> list:
 
 
 def compile_all(only: str | None = None) -> list[dict]:
-    results: list[dict] = []
-    current = {"label": ""}
-    saved = patch_kernels(kernel_modules(), results, lambda: current["label"])
-    try:
-        for label, fn in _workloads():
-            if only and only not in label:
-                continue
-            current["label"] = label
-            fn()
-    finally:
-        restore(saved)
-    return results
+    return compile_workloads(kernel_modules(), _workloads(), only)
 
 
 def main(argv: list[str] | None = None) -> int:
