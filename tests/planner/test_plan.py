@@ -175,7 +175,8 @@ def test_layout_that_does_not_fit_is_excluded(tmp_path):
     excluded = {p.layout: p.reason for p in plan.excluded}
     assert "TP1 DP16" in excluded and "exceed" in excluded["TP1 DP16"]  # 627 GiB of FP8 weights on one GPU
     assert all(p.fits and p.max_concurrent_seqs >= 1 for p in plan.layouts)
-    assert "TP16" in {p.layout for p in plan.layouts}
+    assert "TP16 EP16" in {p.layout for p in plan.layouts}
+    assert "quantized experts split by tensor parallelism" in excluded["TP16"]  # FP8 experts: EP or nothing
     decode = [p.decode_tokens_per_s for p in plan.layouts]
     assert decode == sorted(decode, reverse=True)  # best first
     bf16_on_8 = plan_model(spec_of({**DEEPSEEK_V3, "quantization_config": None}, tmp_path, "b"), request(8))
@@ -247,11 +248,16 @@ def test_expected_remote_ranks_vs_simulation():
 
 def test_expert_parallel_memory(tmp_path):
     spec = spec_of(DEEPSEEK_V3, tmp_path)
-    plan = plan_model(spec, request(16, redundant_experts=32))
+    plan = plan_model(spec, request(16))
     ep = next(p for p in plan.layouts if p.layout == "TP1 DP16 EP16")
-    tp = next(p for p in plan.layouts if p.layout == "TP16")
-    assert ep.weights_gib > tp.weights_gib  # 18 whole experts a layer + replicated attention/dense vs 1/16 of all
+    tp = next(p for p in plan.layouts if p.layout == "TP16 EP16")
+    assert ep.weights_gib > tp.weights_gib  # 16 whole experts a layer each + replicated attention/dense vs 1/16
     assert ep.max_concurrent_seqs > tp.max_concurrent_seqs  # attention DP: each rank caches only its requests
+    redundant = plan_model(spec, request(16, redundant_experts=32))  # EPLB: 18 physical experts a layer a rank
+    tp18 = next(p for p in redundant.layouts if p.layout == "TP16 EP16")
+    expert_gib = 58 * 3 * 7168 * 2048 * (1 + 4 / 128**2) / 2**30  # 58 MoE layers, 3 FP8 matrices an expert
+    assert tp18.weights_gib - tp.weights_gib == pytest.approx(2 * expert_gib, rel=1e-9)
+    assert "--eplb-config" in {p.layout: p.reason for p in redundant.excluded}["TP1 DP16 EP16"]  # not in lockstep
 
 
 # ------------------------------------------------------------------ CLI

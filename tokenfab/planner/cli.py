@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=8192, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", default=None, help="weights/activations dtype (default: the config's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the dtype) or fp8_e4m3")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="plan online FP8 of a bf16 checkpoint")
+    p.add_argument("--quantization", default=None, choices=["fp8", "fp8-block"],
+                   help="plan online FP8 of a 16-bit checkpoint (per-channel / 128x128 block scales, as "
+                        "`tokenfab serve --quantization`); routed experts stay 16-bit")
     p.add_argument("--max-num-seqs", type=int, default=256, help="decode batch cap per replica")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens per prefill step per replica")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -7,7 +7,10 @@ vocabulary over t ranks (KV heads replicated when t exceeds them; MLA's latent c
 on every TP rank); ``DPd`` runs d replicas of that group; ``EP`` (``--enable-expert-parallel``) puts
 whole routed experts on the t*d ranks (ceil((E + redundant) / (t*d)) each), tokens travel by
 all-to-all, and with d > 1 this is DeepSeek's attention-DP + EP layout (each rank holds only its own
-requests' cache). Without EP, each replica holds every expert sharded t ways.
+requests' cache). Without EP, each replica holds every expert sharded t ways. A layout the engine
+refuses (``planner/servable.py`` asks the engine's own rules: quantized experts split by TP, TP > 1
+under attention-DP + EP, EPLB's redundant experts under attention-DP + EP, experts not dividing over
+the EP ranks) is listed as excluded with the engine's message, never proposed.
 
 The model per step (one replica of t ranks, N tokens; every figure per rank):
   compute  = sum over weights of 2 * N * values (routed experts: N * top_k / E of the pool, balanced)
@@ -33,7 +36,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tokenfab.planner.hardware import GpuSpec, Interconnect, PlanInputError
-from tokenfab.planner.quant_bytes import QuantScheme, parse_quantization
+from tokenfab.planner.quant_bytes import QuantScheme, online_scheme, parse_quantization
+from tokenfab.planner.servable import engine_refusal, quantized_experts
 from tokenfab.planner.spec_types import ModelSpec, Weight
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4}
@@ -49,7 +53,7 @@ class PlanRequest:
     context: int = 8192
     dtype: str | None = None          # None: the config's dtype
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None   # "fp8": online FP8 (128x128 blocks) of an unquantized checkpoint
+    quantization: str | None = None   # "fp8" / "fp8-block": online FP8 of a 16-bit checkpoint (experts stay 16-bit)
     max_num_seqs: int = 256           # decode batch cap per replica
     prefill_tokens: int = 8192        # tokens per prefill step per replica
     gpu_memory_utilization: float = 0.9
@@ -268,11 +272,7 @@ def plan_model(spec: ModelSpec, req: PlanRequest) -> Plan:
     req.validate()
     scheme = parse_quantization(spec.quantization_config)
     if req.quantization:
-        if req.quantization != "fp8":
-            raise PlanInputError(f"--quantization {req.quantization!r}: only 'fp8' (online) is planned")
-        if scheme.method != "none":
-            raise PlanInputError("--quantization fp8: the checkpoint is already quantized")
-        scheme = QuantScheme("fp8_block", 8, block=(128, 128), compute="fp8")
+        scheme = online_scheme(req.quantization, scheme)  # routed experts stay 16-bit
     dtype = req.dtype or spec.dtype
     if dtype not in DTYPE_BYTES:
         raise PlanInputError(f"--dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}")
@@ -296,12 +296,16 @@ def plan_model(spec: ModelSpec, req: PlanRequest) -> Plan:
                   "prefill_tokens": req.prefill_tokens, "redundant_experts": req.redundant_experts,
                   "gpu_hour_price": req.gpu_hour_price},
     )
-    fp8_dispatch = scheme.compute == "fp8" and gpu.fp8_tflops is not None
+    q_experts = quantized_experts(spec, scheme)
+    fp8_dispatch = scheme.compute == "fp8" and scheme.experts and gpu.fp8_tflops is not None
     usable = gpu.memory_bytes * req.gpu_memory_utilization
     for tp in (d for d in range(1, req.gpus + 1) if req.gpus % d == 0):
         for ep in ((False, True) if spec.num_experts and req.gpus > 1 else (False,)):
             lay = Layout(tp, req.gpus // tp, ep)
-            p = LayoutPlan(lay.name, tp, lay.dp, lay.ep_size, fits=False, reason=_divisibility(spec, lay))
+            refusal = engine_refusal(tp, lay.dp, ep, num_experts=spec.num_experts, moe_intermediate=_moe_inter(spec),
+                                     redundant_experts=req.redundant_experts, experts_quantized=q_experts)
+            reason = f"the engine refuses it: {refusal}" if refusal else _divisibility(spec, lay)
+            p = LayoutPlan(lay.name, tp, lay.dp, lay.ep_size, fits=False, reason=reason)
             if not p.reason:
                 _fill(p, spec, req, _Cost(spec, req, scheme, lay, a_bytes), lay, a_bytes, kv_bytes, usable,
                       fp8_dispatch)

@@ -38,9 +38,10 @@ class QuantScheme:
     ignore: tuple[str, ...] = ()
     targets: tuple[str, ...] = field(default=("Linear",))
     compute: str = "bf16"           # "fp8": W8A8 GEMMs run at the FP8 peak
+    experts: bool = True            # False: the routed experts stay in the model dtype (online FP8)
 
     def applies(self, w: Weight) -> bool:
-        if self.method == "none" or not (w.linear and w.quantizable):
+        if self.method == "none" or not (w.linear and w.quantizable) or (w.experts > 1 and not self.experts):
             return False
         module = w.name.removesuffix(".weight")
         if any(_matches(p, module) for p in self.ignore):
@@ -64,6 +65,24 @@ class QuantScheme:
         if self.method == "nvfp4":
             return n / 2 + rows * math.ceil(cols / 16) + 8
         raise AssertionError(self.method)
+
+
+ONLINE = ("fp8", "fp8-block")
+
+
+def online_scheme(quantization: str, checkpoint: QuantScheme) -> QuantScheme:
+    """``--quantization fp8`` / ``fp8-block`` of a 16-bit checkpoint, as the engine's online path does it
+    (``quant/online.py``): Linear layers to FP8 with a float32 scale per output row (``fp8``) or per
+    128x128 block (``fp8-block``), W8A8. The routed experts are not Linear layers there: they stay in
+    16 bits (2 bytes a value), and TP may split them like any unquantized experts."""
+    if quantization not in ONLINE:
+        raise PlanInputError(f"--quantization {quantization!r}: only {' / '.join(map(repr, ONLINE))} (online) "
+                             "are planned")
+    if checkpoint.method != "none":
+        raise PlanInputError(f"--quantization {quantization}: the checkpoint is already quantized")
+    if quantization == "fp8":
+        return QuantScheme("fp8_channel", 8, compute="fp8", experts=False)
+    return QuantScheme("fp8_block", 8, block=(128, 128), compute="fp8", experts=False)
 
 
 def _matches(pattern: str, module: str) -> bool:
