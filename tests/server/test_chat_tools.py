@@ -12,8 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from tokenfab.server.chat_tools import ChoiceShaper, ToolPlan
+from tokenfab.server.chat_tools import ChoiceShaper
 from tokenfab.server.reasoning import get_reasoning_parser
+from tokenfab.server.tool_plan import ToolPlan
 
 WEATHER = {
     "type": "object",
@@ -210,7 +211,7 @@ def test_parser_names_by_model_type_and_flags() -> None:
     from types import SimpleNamespace
 
     from tokenfab.server.app import ServerConfig
-    from tokenfab.server.chat import parser_names
+    from tokenfab.server.model_parsers import parser_names
 
     def server(model_type: str, template: str, **flags) -> SimpleNamespace:
         engine = SimpleNamespace(engine=SimpleNamespace(config={"model_type": model_type, "architectures": []}))
@@ -228,7 +229,7 @@ def test_parser_names_from_the_model_folder_when_the_engine_is_remote(tmp_path) 
     from types import SimpleNamespace
 
     from tokenfab.server.app import ServerConfig
-    from tokenfab.server.chat import parser_names
+    from tokenfab.server.model_parsers import parser_names
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
     server = SimpleNamespace(engine=SimpleNamespace(),  # EngineCoreClient: no in-process model config
@@ -239,7 +240,7 @@ def test_parser_names_from_the_model_folder_when_the_engine_is_remote(tmp_path) 
 
 def test_tools_and_tool_turns_reach_the_template() -> None:
     from tokenfab.engine.core.client import load_tokenizer
-    from tokenfab.server.chat import render_chat
+    from tokenfab.server.chat_template import render_chat
     from tokenfab.server.protocol import ChatCompletionRequest
 
     template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
@@ -307,7 +308,7 @@ def test_auto_cut_off_call_streams_as_content() -> None:
 
 
 def test_strict_tools_in_auto_get_a_structural_tag_for_fixed_header_families() -> None:
-    from tokenfab.server.chat_tools import strict_tag_format
+    from tokenfab.server.chat_grammar import strict_tag_format
 
     plan = ToolPlan("auto", TOOL_DICTS)  # "add" is strict, "get_weather" is not
     fmt = strict_tag_format(plan, "hermes")
@@ -333,7 +334,7 @@ def test_strict_tag_grammar_passes_text_and_valid_calls_only(family: str, call: 
     valid call are accepted; once a call starts, an unknown name or arguments off the strict schema are not."""
     from tokenfab.engine.core.client import load_tokenizer
     from tokenfab.engine.runner.structured import StructuredOutputCompiler
-    from tokenfab.server.chat_tools import strict_tag_format
+    from tokenfab.server.chat_grammar import strict_tag_format
     from tokenfab.server.tools import get_tool_parser
 
     spec = strict_tag_format(ToolPlan("auto", TOOL_DICTS), family).model_dump()

@@ -68,7 +68,7 @@ def _call(name: str, args: str):
 def _shape(ids: list[int], mode: str = "auto", finish: str = "stop"):
     """(final message, final finish_reason, the streamed deltas joined the way a client joins them)."""
     from tokenfab.server.chat_harmony import HarmonyShaper
-    from tokenfab.server.chat_tools import ToolPlan
+    from tokenfab.server.tool_plan import ToolPlan
 
     plan = ToolPlan(mode, TOOLS)
     message, reason = HarmonyShaper(plan).final_ids(ids, finish)
@@ -246,8 +246,8 @@ def test_prefilled_final_channel_streams_json_as_content():
     """With a response_format the prompt ends inside a final message (chat_harmony.harmony_prefill): the shaper,
     primed with that prefill, gives the JSON as content token by token."""
     from tokenfab.server.chat_harmony import HarmonyShaper
-    from tokenfab.server.chat_tools import ToolPlan
     from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
+    from tokenfab.server.tool_plan import ToolPlan
 
     ids = harmony_encoding().encode('{"city": "Zürich"}<|return|>', allowed_special="all")
     s = HarmonyShaper(ToolPlan("none"), "<|channel|>final<|message|>")
@@ -271,8 +271,8 @@ def test_gpt_oss_model_folder_selects_harmony(tmp_path):
     from types import SimpleNamespace
 
     from tokenfab.server.app import ServerConfig
-    from tokenfab.server.chat import parser_names
     from tokenfab.server.chat_harmony import uses_harmony
+    from tokenfab.server.model_parsers import parser_names
     from tokenfab.server.protocol import ChatCompletionRequest
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}))

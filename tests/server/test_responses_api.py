@@ -513,7 +513,7 @@ def test_fuzzed_items_never_5xx() -> None:
 
 # ---- units ----
 def test_conversation_from_items_leaves_the_stored_history_alone() -> None:
-    from tokenfab.server.responses_api import conversation
+    from tokenfab.server.responses_input import conversation
     from tokenfab.server.responses_protocol import ResponsesRequest
 
     call = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -536,7 +536,7 @@ def test_template_round_trip_through_the_server_renderer(family, tokenizer):
     """The same round trip through the server's own path: OpenAI messages (arguments as JSON text, as clients
     send them) -> `render_chat` (transformers' apply_chat_template, the family template as the model's). The
     DeepSeek templates concatenate the arguments as a string, the others iterate or ``tojson`` them: both work."""
-    from tokenfab.server.chat import render_chat
+    from tokenfab.server.chat_template import render_chat
     from tokenfab.server.protocol import ChatMessage
 
     template, end_of_turn = _ROUND_TRIP[family]

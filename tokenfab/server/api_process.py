@@ -31,6 +31,7 @@ import zmq
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
 from tokenfab.engine.core.process import pid_alive, pid_fd
+from tokenfab.server.launch import bind, print_banner, serve_on
 
 log = logging.getLogger("tokenfab.server")
 
@@ -56,8 +57,6 @@ def _core_info(address: str, proc: subprocess.Popen, timeout: float = 3600.0) ->
 
 
 def run_multi(args: argparse.Namespace) -> int:
-    from tokenfab.server.cli import bind, print_banner
-
     workdir = tempfile.mkdtemp(prefix="tokenfab-core-")
     address = f"ipc://{workdir}/core.sock"
     engine_args = dataclasses.asdict(EngineArgs.from_cli_args(args))
@@ -135,7 +134,6 @@ def worker_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"%(asctime)s %(levelname)s %(name)s[api {ns.index}]: %(message)s")
     from tokenfab.engine.core.client import EngineCoreClient, load_tokenizer
-    from tokenfab.server.cli import serve_on
 
     client = EngineCoreClient(ns.address, ns.core_pid, load_tokenizer(args.model))
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()

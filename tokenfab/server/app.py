@@ -6,9 +6,10 @@ bad input is a 400 (FastAPI's 422 for validation errors and malformed JSON inclu
 ``--max-request-bytes`` a 413, a full queue a 429, a dead engine a 503. The OpenAPI document
 (``/openapi.json``) lists every status a route answers, with its body schema.
 
-The endpoints live in ``completions.py`` and ``chat.py``, shared state and checks in
-``serving.py``, errors in ``errors.py``, the API-key middleware in ``auth.py``, the body limit in
-``limits.py``, request and response models in ``protocol.py`` and ``responses.py``.
+The endpoints live in ``completions.py`` and ``chat.py``; each shapes its request into engine inputs in one
+pass (``shaping.py``). Shared state and checks are in ``serving.py``, errors in ``errors.py``, the API-key
+middleware in ``auth.py``, the body limit in ``limits.py``, request and response models in ``protocol.py`` and
+``responses.py``.
 """
 
 from __future__ import annotations

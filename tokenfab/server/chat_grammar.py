@@ -9,25 +9,16 @@
   before a JSON object (`_CALL_TAGS`: hermes, llama3_json, deepseek_v3, deepseek_v31): an xgrammar structural
   tag lets text through until the family's call marker, then only a tool's header and arguments valid against
   its schema. Kimi K2 (the call index is in the header), GLM (arguments are not JSON), GigaChat3 and GPT-OSS
-  get only the jsonschema check of `chat_tools.call_ok`.
+  get only the jsonschema check of `tool_plan.call_ok`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenfab.server.protocol import JsonSchemaFormat, ResponseFormat
-
-if TYPE_CHECKING:
-    from tokenfab.server.chat_tools import ToolPlan
-
-_EMPTY_OBJECT = {"type": "object", "properties": {}}
-
-
-def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
-    """A tool's ``parameters`` schema (an empty object schema when it has none)."""
-    return tool["function"].get("parameters") or _EMPTY_OBJECT
+from tokenfab.server.tool_plan import ToolPlan, tool_parameters
 
 
 def grammar_format(plan: ToolPlan) -> ResponseFormat | None:

@@ -5,10 +5,10 @@
   ``chat_template_kwargs.reasoning_effort``), the developer message the instructions and function tools.
 - The completion's token ids are parsed by Harmony's ``StreamableParser`` (`tools/gpt_oss.py`): ``analysis``
   -> ``reasoning_content`` (and ``reasoning``), ``commentary`` addressed ``to=functions.NAME`` -> ``tool_calls``
-  (checked with `chat_tools.call_ok`: a call that is cut off, not JSON, or fails its schema is content),
+  (checked with `tool_plan.call_ok`: a call that is cut off, not JSON, or fails its schema is content),
   ``final`` and recipient-less ``commentary`` -> ``content``. Streamed and not, from the same parser, so the
   deltas add up to the non-streamed message.
-- ``tool_choice`` required/named are grammar-enforced like every other model (`chat_tools.grammar_format`),
+- ``tool_choice`` required/named are grammar-enforced like every other model (`chat_grammar.grammar_format`),
   so their output is the JSON the grammar allows and is shaped by `ChoiceShaper`; for a named function the
   prompt already ends with that call's Harmony header (``<|channel|>commentary to=functions.NAME
   <|constrain|>json<|message|>``), so the model writes the arguments where it was trained to.
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenfab.server.chat_tools import ToolPlan, call_ok
 from tokenfab.server.errors import APIError
 from tokenfab.server.protocol import ChatCompletionRequest
+from tokenfab.server.reasoning.harmony_prompt import gpt_oss_stop_token_ids, render_gpt_oss_prompt
+from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, harmony_encoding
+from tokenfab.server.tool_plan import ToolPlan, call_ok
 from tokenfab.server.tools.base import ContentDelta, ToolCallDelta
+from tokenfab.server.tools.gpt_oss import GptOssToolStream, ReasoningDelta
 
 HARMONY_TOOL_PARSER = "openai"
 HARMONY_REASONING_PARSER = "gpt_oss"
@@ -54,9 +57,6 @@ def harmony_prefill(body: ChatCompletionRequest, plan: ToolPlan) -> str | None:
 
 def render_harmony_prompt(body: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
     """The prompt's token ids (CPU work: run it off the event loop). Bad input is a 400."""
-    from tokenfab.server.reasoning.harmony_prompt import render_gpt_oss_prompt
-    from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, harmony_encoding
-
     if body.continue_final_message or not body.add_generation_prompt:
         param = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
         raise APIError(400, "GPT-OSS prompts are rendered by Harmony for a new assistant turn: "
@@ -77,31 +77,26 @@ def render_harmony_prompt(body: ChatCompletionRequest, plan: ToolPlan) -> list[i
 
 
 def harmony_stop_token_ids() -> list[int]:
-    from tokenfab.server.reasoning.harmony_prompt import gpt_oss_stop_token_ids
-
+    """GPT-OSS's stop tokens: ``<|return|>`` ends an answer, ``<|call|>`` a tool call."""
     return gpt_oss_stop_token_ids()
 
 
 class HarmonyShaper:
     """One choice of a GPT-OSS completion (tool_choice auto or none) -> OpenAI message / stream deltas, from
-    its token ids. Same interface as `ChoiceShaper` (``feed_chunk``, ``finish``, ``final_ids``). `prefill`: what
-    the prompt already wrote of the message (`harmony_prefill`), read first so the parser is in step."""
+    its token ids. Same interface as `ChoiceShaper` (``feed_chunk``, ``finish``, ``final_chunk``). `prefill`:
+    what the prompt already wrote of the message (`harmony_prefill`), read first so the parser is in step."""
 
     def __init__(self, plan: ToolPlan, prefill: str | None = None) -> None:
-        from tokenfab.server.reasoning.harmony_vocab import harmony_encoding
-        from tokenfab.server.tools.gpt_oss import GptOssToolStream, ReasoningDelta
-
         self.plan = plan
         self._stream = GptOssToolStream()
         if prefill:
             self._stream.feed_ids(harmony_encoding().encode(prefill, allowed_special="all"))
-        self._reasoning_delta = ReasoningDelta
         self.num_calls = 0
 
     def _shape(self, deltas: list[Any]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for d in deltas:
-            if isinstance(d, self._reasoning_delta):
+            if isinstance(d, ReasoningDelta):
                 out.append({"reasoning_content": d.text, "reasoning": d.text})
             elif isinstance(d, ContentDelta):
                 out.append({"content": d.text})
@@ -125,6 +120,10 @@ class HarmonyShaper:
         if self.num_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return out, finish_reason
+
+    def final_chunk(self, chunk: Any, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """`final_ids` on the token ids of a choice's last engine `StreamChunk`."""
+        return self.final_ids(chunk.token_ids or [], finish_reason)
 
     def final_ids(self, ids: list[int], finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """``(message, finish_reason)`` for the whole completion: the stream's deltas, joined."""

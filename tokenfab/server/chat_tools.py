@@ -1,148 +1,36 @@
-"""Tools and reasoning in /v1/chat/completions: request checks, template messages, output shaping.
+"""Tools and reasoning in the output of /v1/chat/completions (and /v1/responses): `ChoiceShaper`.
+
+The request side (tools checked, `ToolPlan`) is ``tool_plan.py``, the grammars ``chat_grammar.py``.
 
 - ``tool_choice: "required"`` and a named function are enforced by grammar (`chat_grammar.grammar_format`), so
   the call always parses and matches its schema, even from a model never trained on tools.
 - ``tool_choice: "auto"`` reads calls out of the content with the model family's tool parser
   (``server/tools``); ``"none"`` (or no tools) leaves the content alone. Each call is checked before it is
-  returned (`call_ok`: a tool of the request, arguments a JSON object valid against its ``parameters`` schema,
-  by jsonschema). Non-streamed, one failing call turns the whole output back into content (as a malformed call
-  does in the parsers). Streamed, a call is held back until it is complete and checked, then sent (its id, name
-  and whole arguments in one delta) or, failing, sent as content (the model's own text of that call).
+  returned (`tool_plan.call_ok`: a tool of the request, arguments a JSON object valid against its
+  ``parameters`` schema, by jsonschema). Non-streamed, one failing call turns the whole output back into
+  content (as a malformed call does in the parsers). Streamed, a call is held back until it is complete and
+  checked, then sent (its id, name and whole arguments in one delta) or, failing, sent as content (the model's
+  own text of that call).
 - ``strict: true`` tools in auto mode are also enforced by grammar for some families
   (`chat_grammar.strict_tag_format`).
 - A reasoning parser (``server/reasoning``), when configured, splits reasoning off first; calls are read from
   the content only.
 
-`ChoiceShaper` turns one choice's text into the OpenAI message (``final``) or into stream deltas (``feed``).
+`ChoiceShaper` turns one choice's text into the OpenAI message (``final``, ``final_chunk``) or into stream
+deltas (``feed``, ``feed_chunk``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
-from tokenfab.server.chat_grammar import StructuralTagFormat, grammar_format, strict_tag_format, tool_parameters
-from tokenfab.server.errors import APIError
-from tokenfab.server.protocol import ChatCompletionRequest, ChatMessage
 from tokenfab.server.reasoning import CONTENT, ReasoningParser
+from tokenfab.server.tool_plan import ToolPlan, call_ok
 from tokenfab.server.tools import ContentDelta, ToolCallDelta, ToolParser, get_tool_parser
 from tokenfab.server.tools.base import new_call_id
 
 DEFAULT_TOOL_PARSER = "hermes"  # for models without a known tool format (e.g. the bundled SmolLM2)
-
-
-@dataclass
-class ToolPlan:
-    """What a request asks of tools: ``mode`` is none, auto, required or named."""
-
-    mode: str
-    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI ``tools`` as plain dicts
-    named: str | None = None
-    parallel: bool = True
-
-    @property
-    def constrained(self) -> bool:
-        return self.mode in ("required", "named")
-
-
-def call_ok(plan: ToolPlan, name: str | None, arguments: str) -> bool:
-    """True when ``name`` is one of the request's tools and ``arguments`` is a JSON object that validates
-    against that tool's ``parameters`` schema (checked already by `check_request`)."""
-    tool = next((t for t in plan.tools if t["function"]["name"] == name), None)
-    if tool is None:
-        return False
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        return False
-    if not isinstance(args, dict):
-        return False
-    schema = tool_parameters(tool)
-    return jsonschema.validators.validator_for(schema)(schema).is_valid(args)
-
-
-def check_request(body: ChatCompletionRequest) -> ToolPlan:
-    """Validate tools, tool_choice and the tool messages (400s naming the field); return the plan."""
-    for i, m in enumerate(body.messages):
-        if m.role == "tool" and not m.tool_call_id:
-            raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
-                           "answers)", param=f"messages.{i}.tool_call_id")
-        if m.tool_calls is not None and m.role != "assistant":
-            raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
-                           param=f"messages.{i}.tool_calls")
-        if m.tool_call_id is not None and m.role != "tool":
-            raise APIError(400, f"messages[{i}]: tool_call_id belongs on a tool message",
-                           param=f"messages.{i}.tool_call_id")
-        for j, call in enumerate(m.tool_calls or ()):
-            try:
-                ok = isinstance(json.loads(call.function.arguments), dict)
-            except ValueError:
-                ok = False
-            if not ok:
-                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
-                               param=f"messages.{i}.tool_calls.{j}.function.arguments")
-    choice = body.tool_choice
-    if not body.tools:
-        if choice is not None and choice != "none":
-            raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice")
-        return ToolPlan("none")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    names: set[str] = set()
-    for i, t in enumerate(tools):
-        name = t["function"]["name"]
-        if name in names:
-            raise APIError(400, f"tools[{i}]: the function name {name!r} is used twice",
-                           param=f"tools.{i}.function.name")
-        names.add(name)
-        schema = t["function"].get("parameters")
-        if schema is None:
-            continue
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
-                           param=f"tools.{i}.function.parameters") from e
-        if schema.get("type", "object") != "object":
-            raise APIError(400, f"tools[{i}].function.parameters must describe an object (type: object)",
-                           param=f"tools.{i}.function.parameters")
-    if choice is None or isinstance(choice, str):
-        return ToolPlan(choice or "auto", tools, parallel=body.parallel_tool_calls)
-    if choice.function.name not in names:
-        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools "
-                       f"({', '.join(sorted(names))})", param="tool_choice")
-    return ToolPlan("named", tools, named=choice.function.name, parallel=body.parallel_tool_calls)
-
-
-def template_messages(messages: list[ChatMessage], arguments_as_text: bool = False) -> list[dict[str, Any]]:
-    """The conversation as chat templates expect it: assistant ``tool_calls`` with arguments as a dict (as
-    Hugging Face templates read them) or, with `arguments_as_text`, as the JSON text the client sent (for
-    templates that concatenate them as a string: DeepSeek-V3's and V3.1's ``'<｜tool▁sep｜>' +
-    tool['function']['arguments']``), tool messages with ``tool_call_id``, an assistant turn's reasoning as
-    ``reasoning_content`` (from that field or ``reasoning``)."""
-    conv = []
-    for m in messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-        if m.name:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name,
-                                               "arguments": c.function.arguments if arguments_as_text
-                                               else json.loads(c.function.arguments)}}
-                                 for c in m.tool_calls]
-        if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content or m.reasoning
-        if reasoning and m.role == "assistant":  # Qwen3's, GLM's, Kimi's templates render it for recent turns
-            msg["reasoning_content"] = reasoning
-        conv.append(msg)
-    return conv
 
 
 def _call_json(index: int | None, call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -222,6 +110,10 @@ class ChoiceShaper:
     def feed_chunk(self, chunk: Any) -> list[dict[str, Any]]:
         """The delta dicts for one engine `StreamChunk` (this shaper reads its text)."""
         return self.feed(chunk.delta_text) if chunk.delta_text else []
+
+    def final_chunk(self, chunk: Any, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """`final` on the whole text of a choice's last engine `StreamChunk`."""
+        return self.final(chunk.text or "", finish_reason)
 
     # ---- whole output ----
     def final(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -327,6 +219,3 @@ class ChoiceShaper:
                     out.append({"tool_calls": [call]})
         return out
 
-
-__all__ = ["DEFAULT_TOOL_PARSER", "ChoiceShaper", "StructuralTagFormat", "ToolPlan", "call_ok", "check_request",
-           "grammar_format", "strict_tag_format", "template_messages"]

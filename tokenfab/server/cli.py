@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shlex
-import socket
 import sys
 import time
 
 from tokenfab.engine.args import EngineArgs
+from tokenfab.server.api_process import run_multi
+from tokenfab.server.launch import bind, close_engine, print_banner, serve_on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,23 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="API server processes sharing the port, all served by one engine core (default 1)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="no per-request log lines")
-
-
-def banner(url: str, model: str, kv_tokens: int | None, max_model_len: int, api_key: bool) -> str:
-    auth = ' -H "Authorization: Bearer $TOKENFAB_API_KEY"' if api_key else ""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Write a haiku about GPUs."}],
-                       "max_tokens": 64})
-    kv = f"{kv_tokens:,} tokens" if kv_tokens else "unknown"
-    return "\n".join([
-        "",
-        f"tokenfab is serving {model} at {url}/v1",
-        f"  KV cache: {kv}   max model length: {max_model_len:,} tokens",
-        "  endpoints: /v1/completions /v1/chat/completions /v1/responses /v1/models /health /metrics /tokenize "
-        "/detokenize",
-        "  try:",
-        f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}",
-        "",
-    ])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
             print("tokenfab serve: --api-server-count > 1 needs the engine in its own process "
                   "(drop --engine-in-process)", file=sys.stderr)
             return 2
-        from tokenfab.server.api_process import run_multi
-
         return run_multi(args)
     t0 = time.perf_counter()
     engine = load_engine(args)
@@ -117,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(args)
     except OSError:
         print(f"tokenfab serve: cannot bind {args.host}:{args.port}", file=sys.stderr)
-        _close(engine)
+        close_engine(engine)
         return 1
     core = getattr(engine, "core_pid", None)
     print(f"model loaded in {load_s:.1f}s" + (f"; engine core pid {core}" if core else " (engine in process)"),
@@ -150,57 +130,3 @@ def load_engine(args: argparse.Namespace) -> object | None:
         return None
 
 
-def _close(engine: object) -> None:
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-
-
-def bind(args: argparse.Namespace) -> socket.socket:
-    """The listening socket, bound and listening before the banner says the server is up:
-    connections that arrive while uvicorn starts wait in the backlog instead of being refused."""
-    import uvicorn
-
-    uv_config = uvicorn.Config(None, host=args.host, port=args.port)  # type: ignore[arg-type]
-    try:
-        sock = uv_config.bind_socket()
-    except SystemExit as e:
-        raise OSError(f"cannot bind {args.host}:{args.port}") from e
-    sock.listen(uv_config.backlog)
-    return sock
-
-
-def print_banner(args: argparse.Namespace, sock: socket.socket, model: str, kv_tokens: int | None,
-                 max_model_len: int) -> None:
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(banner(f"http://{shown}:{port}", model, kv_tokens, max_model_len, bool(args.api_key)), flush=True)
-
-
-def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> None:
-    """uvicorn on ``sock`` over ``engine`` until SIGTERM/SIGINT (which drain the running requests)."""
-    import uvicorn
-
-    from tokenfab.engine.core.async_engine import AsyncEngine
-    from tokenfab.server.app import ServerConfig, build_app
-
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    config = ServerConfig(api_key=args.api_key or None, max_waiting=args.max_waiting,
-                          drain_timeout=args.drain_timeout, max_request_bytes=args.max_request_bytes,
-                          max_prompts_per_request=args.max_prompts_per_request,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          tool_call_parser=getattr(args, "tool_call_parser", None),
-                          reasoning_parser=getattr(args, "reasoning_parser", None),
-                          responses_store_size=getattr(args, "responses_store_size", 1024),
-                          responses_ttl=getattr(args, "responses_ttl", 3600.0))
-    app = build_app(async_engine, config)
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)), timeout_keep_alive=30,
-    )
-    server = uvicorn.Server(uv_config)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if async_engine._thread is None:  # never started (uvicorn failed early): stop the core anyway
-            _close(engine)

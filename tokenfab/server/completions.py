@@ -1,19 +1,19 @@
-"""/v1/completions: prompts (text or token ids), the JSON response and the SSE stream."""
+"""/v1/completions: the prompts (text or token ids) shaped once (`shaping.shape_completion`), then the JSON
+response or the SSE stream."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
-from tokenfab.server.errors import APIError
 from tokenfab.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import CompletionRequest, random_id
+from tokenfab.server.serving import OpenAIServer
+from tokenfab.server.shaping import shape_completion
 from tokenfab.server.streaming import (
     ClientGone,
     EngineStreamingResponse,
@@ -25,59 +25,13 @@ from tokenfab.server.streaming import (
     watch,
 )
 
-if TYPE_CHECKING:
-    from tokenfab.server.serving import OpenAIServer
-
-logger = logging.getLogger("tokenfab.server")
-
 
 async def create_completion(server: OpenAIServer, body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    server.check_model(body.model)
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of is not supported (use n)", param="best_of")
-    if body.max_tokens == 0 and not body.echo:
-        raise APIError(400, "max_tokens 0 (score the prompt, generate nothing) needs echo: true",
-                       param="max_tokens")
-    server.check_priority(body.priority)
-    raw = body.prompt
-    if isinstance(raw, str):
-        raw_prompts: list[Any] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
-        raw_prompts = [raw]
-    else:
-        raw_prompts = list(raw)
-    if not raw_prompts:
-        raise APIError(400, "The prompt is empty", param="prompt")
-    if len(raw_prompts) > server.config.max_prompts_per_request:
-        raise APIError(400, f"{len(raw_prompts)} prompts in one request; this server takes at most "
-                       f"{server.config.max_prompts_per_request} (--max-prompts-per-request)", param="prompt")
-    texts = [p for p in raw_prompts if isinstance(p, str)]
-    encoded = iter(await server.tokenize_all(texts) if texts else [])
-    prompt_ids: list[list[int]] = [next(encoded) if isinstance(p, str) else list(p) for p in raw_prompts]
-    vocab = server.vocab_size
-    for ids in prompt_ids:
-        if any(t >= vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    prompt_texts = [p if isinstance(p, str) else "" for p in raw_prompts]
-    if body.echo and len(texts) < len(raw_prompts):
-        decoded = iter(await server.detokenize_all([p for p in raw_prompts if not isinstance(p, str)]))
-        prompt_texts = [p if isinstance(p, str) else next(decoded) for p in raw_prompts]
-    explicit = body.max_tokens is not None
-    max_tokens_list = [server.check_length(len(ids), body.max_tokens if explicit else 16, explicit, "prompt")
-                       for ids in prompt_ids]
-    max_tokens = min((m for m in max_tokens_list if m is not None), default=None)
-    # echo + logprobs scores the prompt too (OpenAI's legacy use, lm-eval's loglikelihood)
-    echo_k = body.logprobs if body.echo else None
-    wanted = [k for k in (echo_k, body.prompt_logprobs) if k is not None]
-    prompt_k = max(wanted) if wanted else None
-    constraint = await server.build_constraint(body.response_format)
-    params = server.sampling_params(body, max_tokens, body.logprobs, constraint, prompt_k)
-    server.check_request(prompt_ids, params, "prompt")
+    shaped = await shape_completion(server, body)
+    prompt_ids, prompt_texts = shaped.prompts, shaped.prompt_texts
     request_id = random_id("cmpl")
-    stream = await server.submit(prompt_ids, params, body.priority, arrival, request_id, body.cache_salt)
+    stream = await server.submit(prompt_ids, shaped.params, shaped.priority, arrival, request_id, shaped.cache_salt)
     created = int(time.time())
     if body.stream:
         gen = _completion_stream(server, body, request, stream, request_id, created, prompt_ids, prompt_texts)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from tokenfab.engine.core.async_engine import AsyncEngine, RequestStream
 from tokenfab.engine.requests.errors import EngineDeadError, QueueFullError
 from tokenfab.engine.requests.sampling_params import SamplingParams
-from tokenfab.server.chat import render_chat
+from tokenfab.server.chat_template import render_chat
 from tokenfab.server.errors import APIError, param_of
 from tokenfab.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from tokenfab.server.metrics import ServerMetrics
@@ -41,7 +41,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_prompts_per_request: int = 256
     trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None  # None: by model type (server/chat.py parser_names)
+    tool_call_parser: str | None = None  # None: by model type (model_parsers.parser_names)
     reasoning_parser: str | None = None
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (responses_store.py)
     responses_ttl: float = 3600.0

@@ -7,6 +7,7 @@ Names follow vLLM's ``--reasoning-parser``: ``deepseek_r1``, ``deepseek_v3``, ``
 from __future__ import annotations
 
 from tokenfab.server.reasoning.base import CONTENT, REASONING, ReasoningParser, ReasoningStream, join_pieces
+from tokenfab.server.reasoning.gpt_oss import GptOssReasoningParser
 from tokenfab.server.reasoning.think_tags import DEEPSEEK_R1, DEEPSEEK_V3, GLM45, KIMI_K2, QWEN3, ThinkTagParser
 
 _THINK_FAMILIES = {f.name: f for f in (DEEPSEEK_R1, DEEPSEEK_V3, QWEN3, GLM45, KIMI_K2)}
@@ -35,8 +36,6 @@ def get_reasoning_parser(
     """A parser for one request. `prompt` (the rendered prompt text) lets think-tag parsers see whether the
     template opened or closed the think block; `chat_template_kwargs` carries ``enable_thinking``/``thinking``."""
     if name == "gpt_oss":
-        from tokenfab.server.reasoning.gpt_oss import GptOssReasoningParser
-
         return GptOssReasoningParser(chat_template_kwargs=chat_template_kwargs, prompt=prompt)
     if name not in _THINK_FAMILIES:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}")

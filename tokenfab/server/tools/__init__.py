@@ -22,6 +22,7 @@ from tokenfab.server.tools.deepseek_v3 import DeepSeekV3ToolParser
 from tokenfab.server.tools.deepseek_v31 import DeepSeekV31ToolParser
 from tokenfab.server.tools.gigachat3 import GigaChat3ToolParser
 from tokenfab.server.tools.glm45 import Glm45ToolParser
+from tokenfab.server.tools.gpt_oss import GptOssToolParser
 from tokenfab.server.tools.hermes import HermesToolParser
 from tokenfab.server.tools.kimi_k2 import KimiK2ToolParser
 from tokenfab.server.tools.llama3_json import Llama3JsonToolParser
@@ -61,8 +62,6 @@ def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
     """The parser registered under `name` (a ValueError naming the choices otherwise); `tools` is the request's
     OpenAI ``tools`` list (GLM reads the parameter types from it)."""
     if name == "openai":  # GPT-OSS: one Harmony pass gives reasoning, content and calls (duck-typed extract/stream)
-        from tokenfab.server.tools.gpt_oss import GptOssToolParser
-
         return GptOssToolParser()  # type: ignore[return-value]
     if name not in _PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
