@@ -192,16 +192,16 @@ def test_fp8_model_compiles_fullgraph(tmp_path_factory):
 def test_quantized_build_never_allocates_the_float_weights(tmp_path, monkeypatch):
     """The float weights of the layers FP8 replaces are never allocated: building the model for a
     quantized checkpoint creates them on "meta"; tied embeddings stay tied after materializing."""
-    from tokenfab.quant import apply
+    from tokenfab.loader import model_loader
 
     seen: list[torch.device] = []
-    original = apply.apply_quant_method
+    original = model_loader.apply_quant_method
 
     def spy(model, method):
         seen.extend(m.weight.device for m in model.modules() if type(m).__name__ in ("Linear", "MergedLinear"))
         return original(model, method)
 
-    monkeypatch.setattr(apply, "apply_quant_method", spy)
+    monkeypatch.setattr(model_loader, "apply_quant_method", spy)
     save_tiny_model(tiny_config("qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True),
                     tmp_path / "src")
     write_fp8_block_checkpoint(tmp_path / "src", tmp_path / "fp8")

@@ -41,6 +41,7 @@ import triton.language as tl
 from tokenfab.kernels._dispatch import use_triton
 from tokenfab.kernels.batch_invariant import batch_invariant
 from tokenfab.kernels.kv_cache import (
+    _store_kv_triton,
     check_fp8_scales,
     check_latent_fp8,
     is_fp8,
@@ -366,8 +367,6 @@ def store_latent_ref(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.T
 
 def _store_latent_triton(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    from tokenfab.kernels.kv_cache import _store_kv_triton
-
     t = latent.shape[0]
     latent, rest = latent.reshape(t, -1), rest.reshape(t, -1)
     r, n = latent.shape[-1], rest.shape[-1]

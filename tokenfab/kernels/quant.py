@@ -35,6 +35,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import backend, use_triton
+from tokenfab.kernels.cpu.fp8_matmul import fp8_linear_native
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -331,8 +332,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, group_n: int
             x2 = dequantize_fp8(q, a_s, 1, x.dtype)
         out = None
         if choice == "native" and not torch.compiler.is_compiling():  # the C kernel (cpu/fp8_matmul.c)
-            from tokenfab.kernels.cpu.fp8_matmul import fp8_linear_native
-
             out = fp8_linear_native(x2, w, w_s, group_n, bias)
         if out is None:
             out = F.linear(x2, dequantize_fp8(w, w_s, group_n, x.dtype), bias)

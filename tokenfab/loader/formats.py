@@ -24,6 +24,16 @@ from typing import Any
 
 import torch
 
+from tokenfab.loader.errors import ModelLoadError
+from tokenfab.quant.base import QuantMethod
+from tokenfab.quant.config import (
+    QUANT_METHODS,
+    UnsupportedQuantization,
+    load_providers,
+    registry_key,
+    supported_formats,
+)
+
 # quant_method -> the architectures whose models dequantize it at load
 SUPPORTED_QUANT_METHODS: dict[str, tuple[str, ...]] = {"mxfp4": ("GptOssForCausalLM",)}
 
@@ -99,12 +109,10 @@ def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) else None
 
 
-def check_quantization_config(config_path: Path, arch: str) -> Any:
+def check_quantization_config(config_path: Path, arch: str) -> QuantMethod | None:
     """The checkpoint's QuantMethod (tokenfab.quant), None for an unquantized checkpoint or one whose
     model dequantizes its format at load (:data:`SUPPORTED_QUANT_METHODS`); a format we cannot load
     is a ModelLoadError naming config.json (or hf_quant_config.json), the format, and what loads."""
-    from tokenfab.quant.config import QUANT_METHODS, _load_providers, registry_key, resolve_quant_method
-
     config_path = Path(config_path)
     try:
         raw = json.loads(config_path.read_text())
@@ -114,11 +122,51 @@ def check_quantization_config(config_path: Path, arch: str) -> Any:
         return None
     qc = quantization_config(raw)
     if qc is not None:
-        _load_providers()
+        load_providers()
         key = registry_key(qc)
         if key not in QUANT_METHODS and arch in SUPPORTED_QUANT_METHODS.get(key, ()):
             return None  # the model's own loader hook dequantizes it
     return resolve_quant_method(config_path.parent, raw)
+
+
+def _modelopt_config(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(path, f"cannot read hf_quant_config.json: {e}") from e
+    quant = raw.get("quantization") if isinstance(raw, dict) else None
+    if not isinstance(quant, dict):
+        raise ModelLoadError(path, "hf_quant_config.json has no `quantization` object")
+    return {"quant_method": "modelopt", **quant}
+
+
+def resolve_quant_method(model_dir: Path, raw_config: dict) -> QuantMethod | None:
+    """The QuantMethod of a checkpoint directory, or None for an unquantized one.
+
+    An unknown method, or a variant its factory refuses, is a ModelLoadError naming config.json
+    (or hf_quant_config.json) and the format, and listing what is supported."""
+    model_dir = Path(model_dir)
+    qc = quantization_config(raw_config) if isinstance(raw_config, dict) else None
+    source = model_dir / "config.json"
+    if qc is None:
+        qc = _modelopt_config(model_dir)
+        source = model_dir / "hf_quant_config.json"
+        if qc is None:
+            return None
+    load_providers()
+    key = registry_key(qc)
+    factory = QUANT_METHODS.get(key)
+    if factory is None:
+        raise ModelLoadError(source, f"unsupported quantized checkpoint: quantization_config is "
+                             f"{describe_quantization(qc)}, which tokenfab cannot load (it loads float32/float16/"
+                             f"bfloat16 weights and these formats: {', '.join(supported_formats()) or 'none'})")
+    try:
+        return factory(qc)
+    except UnsupportedQuantization as e:
+        raise ModelLoadError(source, f"unsupported quantized checkpoint: {describe_quantization(qc)}: {e}") from e
 
 
 def format_of_tensor(name: str, tensor: torch.Tensor, siblings: Collection[str] = ()) -> str:

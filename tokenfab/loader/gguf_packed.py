@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenfab.kernels.cpu.ggml_matmul import dequantize as dequantize_packed
 from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLLMHead
 from tokenfab.layers.linear import Linear, MergedLinear
@@ -119,8 +120,6 @@ def _plan_swaps(model: nn.Module, ckpt: GGUFCheckpoint, act: str) -> dict[str, _
 def _fill(model: nn.Module, swaps: dict[str, _Swap], ckpt: GGUFCheckpoint
           ) -> Iterator[tuple[str, torch.Tensor]]:
     """Copy the swapped layers' rows (and biases) in; yield every other tensor, dequantized."""
-    from tokenfab.kernels.cpu.ggml_matmul import dequantize as dequantize_packed
-
     remap = getattr(model, "remap_checkpoint_name", None)
     for name, t in ckpt.tensors(packed=True):
         ours = remap(name) if remap is not None else name

@@ -10,10 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenfab.layers.tp_split import TPSplitError
 from tokenfab.loader.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.formats import check_quantization_config
+from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
+from tokenfab.loader.gguf_mode import ONLINE_CHOICES, check_quantization_arg, resolve_gguf_mode
+from tokenfab.loader.gguf_packed import load_gguf_packed
+from tokenfab.loader.quant_apply import apply_quant_method, materialize, weights_on_meta
+from tokenfab.loader.safetensors_dir import iter_safetensors, load_hf_config
+from tokenfab.loader.tiktoken_tokenizer import is_tiktoken_dir, load_tiktoken_tokenizer
 from tokenfab.loader.weights import load_weights
 from tokenfab.models.registry import resolve_model_class
+from tokenfab.quant.config import UnsupportedQuantization
+from tokenfab.quant.online import online_quant_method
 
 
 @dataclass
@@ -38,19 +48,15 @@ def _default_dtype(dtype: torch.dtype):
 def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max_position: int, source: Path,
            meta_weights: bool = False):
     """The model, its weights allocated (uninitialised) on ``device``; ``meta_weights``: the layers'
-    weights on "meta" (tokenfab.quant.apply.weights_on_meta), for a quantized build."""
+    weights on "meta" (:func:`tokenfab.loader.quant_apply.weights_on_meta`), for a quantized build."""
     try:
         cls = resolve_model_class(arch)
     except KeyError as e:
         raise ModelLoadError(source, str(e.args[0])) from e
-    from tokenfab.layers.tp_split import TPSplitError
-
     try:
         with _default_dtype(dtype), torch.device(device):
             if not meta_weights:
                 return cls(config, max_position=max_position)
-            from tokenfab.quant.apply import weights_on_meta
-
             with weights_on_meta():
                 return cls(config, max_position=max_position)
     except TPSplitError as e:  # e.g. 9 heads at --tensor-parallel-size 2
@@ -58,13 +64,11 @@ def _build(arch: str, config: Any, dtype: torch.dtype, device: torch.device, max
 
 
 def _hf_tokenizer(model_dir: Path) -> Any | None:
-    from tokenfab.loader.tiktoken_tokenizer import is_tiktoken_dir, load_tiktoken_tokenizer
-
     if is_tiktoken_dir(model_dir):  # Kimi K2/K2.5: tiktoken.model, loaded without remote code
         return load_tiktoken_tokenizer(model_dir)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
@@ -99,8 +103,6 @@ def load_model(
     (tokenfab.quant.online; a GGUF file is dequantized first). A quantized checkpoint
     (quantization_config) loads through its tokenfab.quant format, its weights kept packed.
     """
-    from tokenfab.loader.gguf_mode import ONLINE_CHOICES, check_quantization_arg
-
     check_quantization_arg(quantization)
     name, gguf_act = None, None
     if path is None:
@@ -113,27 +115,18 @@ def load_model(
                          f"{', '.join(ONLINE_CHOICES)} (online quantization); {path} is a directory")
     quant_method = None
     if quantization in ONLINE_CHOICES:
-        from tokenfab.quant.online import online_quant_method
-
         quant_method = online_quant_method(quantization)
     if path.is_file() and path.suffix == ".gguf":
-        from tokenfab.loader.gguf import load_gguf, load_gguf_tokenizer
-        from tokenfab.loader.gguf_mode import resolve_gguf_mode
-
         ckpt = load_gguf(path)
         config, arch, weights = ckpt.config, ckpt.architecture, ckpt.tensors()
         # online FP8 of a GGUF file: its tensors dequantized at load, then quantized to FP8
         gguf_act = resolve_gguf_mode("none" if quant_method else quantization, ckpt, dtype, device)
         tokenizer = load_gguf_tokenizer(path) if load_tokenizer else None
     elif path.is_dir():
-        from tokenfab.loader.safetensors_dir import iter_safetensors, load_hf_config
-
         config = load_hf_config(path)
         archs = getattr(config, "architectures", None) or []
         if not archs:
             raise ModelLoadError(path / "config.json", "config.json names no `architectures`")
-        from tokenfab.loader.formats import check_quantization_config
-
         ckpt_method = check_quantization_config(path / "config.json", archs[0])
         if ckpt_method is not None and quant_method is not None:
             raise ValueError(f"--quantization {quantization}: {path} is already quantized "
@@ -147,9 +140,6 @@ def load_model(
     # quantized: the float weights of the layers the format replaces are never allocated
     model = _build(arch, config, dtype, device, max_len, path, meta_weights=quant_method is not None)
     if quant_method is not None:
-        from tokenfab.quant.apply import apply_quant_method, materialize
-        from tokenfab.quant.config import UnsupportedQuantization
-
         try:
             with _default_dtype(dtype), torch.device(device):
                 apply_quant_method(model, quant_method)
@@ -159,8 +149,6 @@ def load_model(
         materialize(model, device)
         model.quant_method = quant_method
     if path.suffix == ".gguf" and gguf_act is not None:
-        from tokenfab.loader.gguf_packed import load_gguf_packed
-
         load_gguf_packed(model, ckpt, act=gguf_act)
     else:
         load_weights(model, weights, path)

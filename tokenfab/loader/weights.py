@@ -42,7 +42,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     entries themselves with ``load_checkpoint_tensor(name, tensor) -> list[str] | None`` (None:
     not taken; else the parameters that are now complete; ValueError: a bad tensor).
 
-    Quantized layers (``model.quant_method`` set, layers swapped by tokenfab.quant.apply) take their
+    Quantized layers (``model.quant_method`` set, layers swapped by tokenfab.loader.quant_apply) take their
     tensors through ``load_quantized(suffix, tensor, shard)`` and list what they still lack in
     ``missing()``; with a quant method, non-float tensors are offered to the model's hook (quantized experts).
 

@@ -1,7 +1,7 @@
 """The interface every low-precision format implements (quant_interface.md).
 
 A :class:`QuantMethod` is built from a checkpoint's ``quantization_config`` (see
-:mod:`tokenfab.quant.config`). After the model is built, :func:`tokenfab.quant.apply.apply_quant_method`
+:mod:`tokenfab.quant.config`). After the model is built, :func:`tokenfab.loader.quant_apply.apply_quant_method`
 asks it, module by module, for a quantized replacement of each ``Linear`` / ``MergedLinear`` and for
 quantized experts of each ``FusedMoE``. Quantized modules keep their checkpoint tensors packed (as
 buffers, not Parameters) and take them through ``load_quantized(suffix, tensor, shard)``.

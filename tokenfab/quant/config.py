@@ -13,17 +13,16 @@ holds several formats under one method, told apart by its ``config_groups`` weig
 
 Format modules register a factory (``quantization_config`` dict -> QuantMethod) with
 :func:`register_quant_method`; :data:`_PROVIDERS` lists the modules imported to fill the registry.
+Which method a checkpoint directory declares (and the refusal of one no factory takes) is the
+loader's business: :func:`tokenfab.loader.formats.resolve_quant_method`.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from tokenfab.loader.errors import ModelLoadError
 from tokenfab.quant.base import QuantMethod
 
 QUANT_METHODS: dict[str, Callable[[dict], QuantMethod]] = {}
@@ -49,7 +48,7 @@ def register_quant_method(key: str, factory: Callable[[dict], QuantMethod]) -> N
 _loaded = False
 
 
-def _load_providers() -> None:
+def load_providers() -> None:
     global _loaded
     if _loaded:
         return
@@ -76,48 +75,6 @@ def registry_key(qc: dict[str, Any]) -> str:
     return f"compressed-tensors/{qc.get('format', 'unknown')}"
 
 
-def _modelopt_config(model_dir: Path) -> dict[str, Any] | None:
-    path = model_dir / "hf_quant_config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(path, f"cannot read hf_quant_config.json: {e}") from e
-    quant = raw.get("quantization") if isinstance(raw, dict) else None
-    if not isinstance(quant, dict):
-        raise ModelLoadError(path, "hf_quant_config.json has no `quantization` object")
-    return {"quant_method": "modelopt", **quant}
-
-
 def supported_formats() -> list[str]:
-    _load_providers()
+    load_providers()
     return sorted(QUANT_METHODS)
-
-
-def resolve_quant_method(model_dir: Path, raw_config: dict) -> QuantMethod | None:
-    """The QuantMethod of a checkpoint directory, or None for an unquantized one.
-
-    An unknown method, or a variant its factory refuses, is a ModelLoadError naming config.json
-    (or hf_quant_config.json) and the format, and listing what is supported."""
-    from tokenfab.loader.formats import describe_quantization, quantization_config
-
-    model_dir = Path(model_dir)
-    qc = quantization_config(raw_config) if isinstance(raw_config, dict) else None
-    source = model_dir / "config.json"
-    if qc is None:
-        qc = _modelopt_config(model_dir)
-        source = model_dir / "hf_quant_config.json"
-        if qc is None:
-            return None
-    _load_providers()
-    key = registry_key(qc)
-    factory = QUANT_METHODS.get(key)
-    if factory is None:
-        raise ModelLoadError(source, f"unsupported quantized checkpoint: quantization_config is "
-                             f"{describe_quantization(qc)}, which tokenfab cannot load (it loads float32/float16/"
-                             f"bfloat16 weights and these formats: {', '.join(supported_formats()) or 'none'})")
-    try:
-        return factory(qc)
-    except UnsupportedQuantization as e:
-        raise ModelLoadError(source, f"unsupported quantized checkpoint: {describe_quantization(qc)}: {e}") from e

@@ -27,6 +27,7 @@ from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.quant import FP8, FP8_MAX, GROUP_K, dequantize_fp8, fp8_linear
 from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
 from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
+from tokenfab.quant.fp8_experts import FP8Experts
 
 BLOCK = 128
 
@@ -44,7 +45,7 @@ class FP8Linear(QuantizedModule):
     ``input_scale`` tensor quantizes the activations (per tensor) instead of per token.
     ``act`` / ``cpu_act_quant``: see ``kernels.quant.fp8_linear``.
 
-    Tensor parallel: ``tp_split`` (copied from the layer it replaces, quant.apply) says which part of
+    Tensor parallel: ``tp_split`` (copied from the layer it replaces, loader/quant_apply.py) says which part of
     each full checkpoint tensor this rank keeps (``_tp_part``); a row-parallel layer all-reduces.
     """
 
@@ -223,8 +224,6 @@ class FP8BlockMethod(QuantMethod):
         return fp8_linear_like(linear, scheme="block", ue8m0=self.ue8m0)
 
     def make_experts(self, moe: nn.Module, module_name: str) -> nn.Module | None:
-        from tokenfab.quant.fp8_experts import FP8Experts
-
         return FP8Experts(moe, scheme="block", ue8m0=self.ue8m0)
 
     def bytes_per_param(self) -> float:

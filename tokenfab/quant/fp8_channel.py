@@ -17,6 +17,7 @@ from torch import nn
 from tokenfab.quant.base import QuantMethod
 from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
 from tokenfab.quant.fp8_block import fp8_linear_like
+from tokenfab.quant.fp8_experts import FP8Experts
 
 
 class CompressedTensorsFP8Method(QuantMethod):
@@ -52,8 +53,6 @@ class CompressedTensorsFP8Method(QuantMethod):
                                cpu_act_quant=self.act_quant)
 
     def make_experts(self, moe: nn.Module, module_name: str) -> nn.Module | None:
-        from tokenfab.quant.fp8_experts import FP8Experts
-
         if self.static_input:
             raise UnsupportedQuantization("FP8 experts with static input scales are not supported")
         return FP8Experts(moe, scheme="channel")

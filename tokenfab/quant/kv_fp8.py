@@ -78,13 +78,16 @@ def parse_skip_layers(spec: str | Iterable[int | str] | None) -> tuple[set[int],
     return indices, sliding
 
 
-def cache_modules(model: nn.Module) -> list[nn.Module]:
-    """The cache-owning modules in layer order: ``layers.attention.Attention`` and the modules that
-    declare ``kv_cache_spec()`` (MLA)."""
-    from tokenfab.layers.attention import Attention
+def owns_kv_cache(module: nn.Module) -> bool:
+    """Whether a module owns per-token cache entries: it has a ``k_cache`` slot for the runner to bind
+    (``layers.attention.Attention``) or declares ``kv_cache_spec()`` (MLA's latent cache). A protocol
+    rather than an isinstance check, so that this format module needs nothing from the layers above it."""
+    return hasattr(module, "k_cache") or callable(getattr(module, "kv_cache_spec", None))
 
-    return [m for m in model.modules()
-            if isinstance(m, Attention) or callable(getattr(m, "kv_cache_spec", None))]
+
+def cache_modules(model: nn.Module) -> list[nn.Module]:
+    """The cache-owning modules (:func:`owns_kv_cache`) in layer order."""
+    return [m for m in model.modules() if owns_kv_cache(m)]
 
 
 def cache_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
@@ -146,7 +149,7 @@ def kv_scale_owner(name: str, modules: dict[str, nn.Module]) -> nn.Module | None
             break
     for candidate in (base, stem, stem + ".attn"):
         m = modules.get(candidate)
-        if m is not None and (hasattr(m, "k_cache") or callable(getattr(m, "kv_cache_spec", None))):
+        if m is not None and owns_kv_cache(m):
             return m
     return None
 

@@ -26,7 +26,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class W4Linear(QuantizedModule):
     """``y = x @ dequant(qweight, scales).T * global_scale + bias``; see the module docstring.
-    Tensor parallel: ``tp_split`` / ``reduce_output`` as on the layer it replaces (quant.apply)."""
+    Tensor parallel: ``tp_split`` / ``reduce_output`` as on the layer it replaces (loader/quant_apply.py)."""
 
     tp_split = None  # layers.tp_split.TPSplit at TP > 1
     reduce_output = False

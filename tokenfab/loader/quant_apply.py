@@ -1,4 +1,7 @@
-"""Swapping a built model's layers for their quantized versions (before weights load)."""
+"""Swapping a built model's layers for their quantized versions (before weights load).
+
+It walks the model's layers (Linear, MergedLinear, FusedMoE) and asks a :class:`QuantMethod` for their
+replacements, so it lives above both layers and quant: the loader runs it between build and load."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tokenfab.layers.linear import Linear, MergedLinear
+from tokenfab.layers.moe import FusedMoE
 from tokenfab.quant.base import QuantMethod
 
 
@@ -25,8 +29,6 @@ def checkpoint_names(model: nn.Module, module_name: str) -> list[str]:
 
 
 def _is_router(parent: nn.Module, child_name: str) -> bool:
-    from tokenfab.layers.moe import FusedMoE
-
     # MoE routers (mlp.gate) and shared-expert gates stay in full precision in every official release
     return isinstance(parent, FusedMoE) and child_name in ("gate", "shared_expert_gate")
 
@@ -37,8 +39,6 @@ def apply_quant_method(model: nn.Module, method: QuantMethod) -> int:
 
     A merged projection whose shards disagree (some quantized, some not) is a ValueError: it cannot
     be one product."""
-    from tokenfab.layers.moe import FusedMoE
-
     swapped = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
