@@ -9,8 +9,10 @@ import sys
 import time
 
 from tokenfab.engine.args import EngineArgs
-from tokenfab.server.api_process import run_multi
-from tokenfab.server.launch import bind, close_engine, print_banner, serve_on
+
+# Only argparse and EngineArgs at import time: `tokenfab --help` imports every command's module, and this one
+# must not pull in torch, FastAPI and the server for that. `run` imports what it starts (launch.py,
+# api_process.py, the engine); nothing imports this module back, so these deferred imports hide no cycle.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
             print("tokenfab serve: --api-server-count > 1 needs the engine in its own process "
                   "(drop --engine-in-process)", file=sys.stderr)
             return 2
+        from tokenfab.server.api_process import run_multi
+
         return run_multi(args)
+    from tokenfab.server.launch import bind, close_engine, print_banner, serve_on
+
     t0 = time.perf_counter()
     engine = load_engine(args)
     if engine is None:
