@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.kernels.kv_cache import check_kv_dtypes, dequantize_fp8_ref, is_fp8
-from tokenfab.kernels.paged import gather_kv
+from tokenfab.kernels.paged import gather_kv, pad_queries
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int,
@@ -66,7 +66,6 @@ def paged_attention_ref(
     check_kv_dtypes("paged_attention", q, k_cache, v_cache, k_scale, v_scale)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     ctx = context_lens.long()
-    dev = q.device
     plain = softcap <= 0.0 and sinks is None and sliding_window <= 0 and q.dtype == k_cache.dtype
     if max_query_len > 1:
         # decodes, fresh prompts (nothing cached: the is_causal path) and the rest each run as
@@ -86,22 +85,8 @@ def paged_attention_ref(
             return _fresh_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, q_lens, scale)
     k = _gather(k_cache, block_tables, max_context_len, k_scale)
     v = _gather(v_cache, block_tables, max_context_len, v_scale)
-    if max_query_len == 1:
-        q_pad = q.view(b, 1, hq, d)
-        seq_idx = tok_idx = None
-    else:
-        seq_idx = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)
-        tok_idx = torch.arange(t, device=dev) - cu_seqlens_q[:-1].long()[seq_idx]
-        q_pad = q.new_zeros(b, max_query_len, hq, d)
-        q_pad[seq_idx, tok_idx] = q
-    i = torch.arange(max_query_len, device=dev)
-    j = torch.arange(max_context_len, device=dev)
-    qpos = (ctx - q_lens)[:, None] + i[None, :]  # [B, Q]
-    mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-    if sliding_window > 0:
-        mask &= j[None, None, :] > qpos[:, :, None] - sliding_window
-    # Padded query rows (i >= q_len) see key 0 so the softmax stays finite; they are dropped.
-    mask |= (i[None, :, None] >= q_lens[:, None, None]) & (j[None, None, :] == 0)
+    q_pad, seq_idx, tok_idx, mask = pad_queries(q, cu_seqlens_q, context_lens, max_query_len, max_context_len,
+                                                sliding_window)
     qh = q_pad.transpose(1, 2)  # [B, Hq, Q, D]
     kh = k.transpose(1, 2)  # [B, Hkv, L, D]
     vh = v.transpose(1, 2)

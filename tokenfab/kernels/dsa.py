@@ -42,7 +42,8 @@ from tokenfab.kernels.dsa_indexer import (  # noqa: F401 (the indexer's public n
     topk_config,
 )
 from tokenfab.kernels.kv_cache import check_latent_fp8, latent_rows, raw_cache
-from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS, mla_config
+from tokenfab.kernels.mla import mla_config
+from tokenfab.kernels.mla_ref import REF_CHUNK_ELEMENTS
 from tokenfab.kernels.paged import LOG2E, check_num_splits, decode_reduce_kernel, flat_cache
 
 # ============================================================================ sparse MLA

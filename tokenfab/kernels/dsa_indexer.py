@@ -29,7 +29,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.mla import REF_CHUNK_ELEMENTS
+from tokenfab.kernels.mla_ref import REF_CHUNK_ELEMENTS
 from tokenfab.kernels.paged import flat_cache, gather_kv
 
 # ============================================================================ indexer

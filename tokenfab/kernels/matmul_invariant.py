@@ -31,7 +31,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import use_triton
-from tokenfab.kernels.moe_gemm import grouped_tile
+from tokenfab.kernels.moe_common import grouped_tile
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -25,6 +25,8 @@ FP8 latent cache (``float8_e4m3fn``): the whole row (latent, rope key and whatev
 as ``clamp(x / scale, +-448)`` with one float32 scale per layer (``store_latent(..., scale=)``, the
 rule of ``kernels/kv_cache.py``); ``mla_attention(..., kv_scale=)`` widens the tiles to q's dtype in
 registers and folds the scale into the softmax scale (keys) and the output row factor (values).
+
+The reference, ``mla_attention_ref``, is ``mla_ref.py``'s.
 """
 
 from __future__ import annotations
@@ -45,83 +47,20 @@ from tokenfab.kernels.kv_cache import (
     check_fp8_scales,
     check_latent_fp8,
     is_fp8,
-    latent_rows,
     quantize_fp8_ref,
     raw_cache,
 )
+from tokenfab.kernels.mla_ref import mla_attention_ref
 from tokenfab.kernels.paged import (
     LOG2E,
     MAX_DECODE_SPLITS,
     check_num_splits,
     decode_reduce_kernel,
     flat_cache,
-    gather_kv,
 )
 
 #: The split count of every MLA call in batch-invariant mode is at most this (``mla_config``).
 INVARIANT_MAX_SPLITS = 8
-
-# The references process long prefills in query chunks of about this many score elements (fp32).
-REF_CHUNK_ELEMENTS = 1 << 26
-
-
-def mla_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q [T, H, r + rope] -> o_lat [T, H, r]. Batched over all sequences, no Python loop.
-
-    The pages are gathered into one padded [B, L, D] block; queries are scattered into
-    [B, max_query_len * H, D] (heads folded into rows: one key head serves all of them); one
-    masked softmax over the whole batch, in fp32.
-    """
-    t, h, d = q.shape
-    b = context_lens.shape[0]
-    r = kv_lora_rank
-    if t == 0 or b == 0:
-        return q.new_empty(t, h, r)
-    cache = flat_cache(kv_cache)
-    check_latent_fp8("mla_attention", q, cache, kv_scale)
-    c = latent_rows(cache, gather_kv(raw_cache(cache), block_tables, max_context_len)[..., :d], kv_scale)  # [B, L, D]
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    ctx = context_lens.long()
-    dev = q.device
-    if max_query_len == 1:
-        q_pad = q.view(b, 1, h, d)
-        seq_idx = tok_idx = None
-    else:
-        seq_idx = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)
-        tok_idx = torch.arange(t, device=dev) - cu_seqlens_q[:-1].long()[seq_idx]
-        q_pad = q.new_zeros(b, max_query_len, h, d)
-        q_pad[seq_idx, tok_idx] = q
-    i = torch.arange(max_query_len, device=dev)
-    j = torch.arange(max_context_len, device=dev)
-    qpos = (ctx - q_lens)[:, None] + i[None, :]  # [B, Q]
-    mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-    # Padded query rows (i >= q_len) see key 0 so the softmax stays finite; they are dropped.
-    mask |= (i[None, :, None] >= q_lens[:, None, None]) & (j[None, None, :] == 0)
-    out = q.new_empty(b, max_query_len, h, r)
-    # query positions in chunks, so the [B, chunk * H, L] logits stay bounded on long prefills
-    step = max(1, REF_CHUNK_ELEMENTS // max(1, b * h * max_context_len))
-    for q0 in range(0, max_query_len, step):
-        q1 = min(q0 + step, max_query_len)
-        qc = q_pad[:, q0:q1].float().reshape(b, (q1 - q0) * h, d)
-        logits = (torch.matmul(qc, c.transpose(1, 2)) * scale).view(b, q1 - q0, h, -1)
-        logits = logits.masked_fill(~mask[:, q0:q1, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(b, (q1 - q0) * h, -1)
-        out[:, q0:q1] = torch.matmul(probs, c[..., :r]).view(b, q1 - q0, h, r).to(q.dtype)
-    if max_query_len == 1:
-        return out.view(b, h, r)
-    return out[seq_idx, tok_idx]
-
 
 @triton.jit
 def _mla_split_kernel(

@@ -28,7 +28,15 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import use_triton
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
-from tokenfab.kernels.moe_gemm import _moe_sum_triton, grouped_tile
+from tokenfab.kernels.moe_common import (
+    down_epilogue,
+    experts_loop_ref,
+    gate_up_epilogue,
+    moe_pair_tile,
+    moe_program_tile,
+    store_pair_rows,
+)
+from tokenfab.kernels.moe_gemm import _moe_sum_triton
 from tokenfab.kernels.quant import (
     GROUP_K,
     _per_token_group_quant_triton,
@@ -47,30 +55,20 @@ def fused_experts_fp8_ref(hidden: torch.Tensor, w13: torch.Tensor, w13_s: torch.
                           topk_ids: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum_j topk_weights[t, j] * expert_{ids[t, j]}(hidden[t]), SiLU-gated, with
     the activations rounded through float8 per token and 128 channels before each GEMM."""
-    t, h = hidden.shape
+    if hidden.shape[0] == 0:
+        return hidden.new_empty(0, hidden.shape[1])
     k = topk_ids.shape[1]
-    if t == 0:
-        return hidden.new_empty(0, h)
     inter = w13.shape[1] // 2
     xq, xs = per_token_group_quant_fp8_ref(hidden, GROUP_K, ue8m0)
     x = dequantize_fp8(xq, xs, 1, torch.float32)
-    out = hidden.new_empty(t * k, h)
-    flat = topk_ids.reshape(-1).long()
-    wflat = topk_weights.reshape(-1).float()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pairs = order[start:start + c]
-        start += c
+
+    def expert(e: int, pairs: torch.Tensor) -> torch.Tensor:
         gu = F.linear(x[pairs // k], _dequant_rows(w13[e], w13_s[e], group_13))
         act = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(hidden.dtype)
         aq, a_s = per_token_group_quant_fp8_ref(act, GROUP_K, ue8m0)
-        y = F.linear(dequantize_fp8(aq, a_s, 1, torch.float32), _dequant_rows(w2[e], w2_s[e], group_2))
-        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
-    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+        return F.linear(dequantize_fp8(aq, a_s, 1, torch.float32), _dequant_rows(w2[e], w2_s[e], group_2))
+
+    return experts_loop_ref(hidden, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 @triton.jit
@@ -81,18 +79,11 @@ def _moe_fp8_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[pair, n] = silu(g) * u, g/u = sum over K tiles of dot(xq, Wq) * x_scale * w_scale (rows n, I + n)."""
-    pid = tl.program_id(0)
-    num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < inter
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, inter,
+                                                       TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
     as_ptrs = xs_ptr + row * sxsm
@@ -115,9 +106,8 @@ def _moe_fp8_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    h = gate_up_epilogue(acc_g, acc_u, out_ptr, e, 0, inter, offs_n, nmask, 0.0, 0.0, False, 0)  # SiLU, no bias
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
 
 
 @triton.jit
@@ -128,18 +118,11 @@ def _moe_fp8_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """out[pair, n] = (sum over K tiles of dot(hq[pair], W2q[e, n]) * h_scale * w_scale) * topk_weight[pair]."""
-    pid = tl.program_id(0)
-    num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < hidden
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, hidden,
+                                                       1, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
     as_ptrs = xs_ptr + row * sxsm
@@ -155,9 +138,8 @@ def _moe_fp8_down_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc = acc * tl.load(tw_ptr + row, mask=valid, other=0.0)[:, None]
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    acc = down_epilogue(acc, out_ptr, e, 0, offs_n, nmask, tw_ptr, row, valid, False)  # no bias
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, acc)
 
 
 def moe_fp8_config(num_tokens: int, top_k: int, num_experts: int) -> dict:

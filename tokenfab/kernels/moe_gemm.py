@@ -21,6 +21,14 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import use_triton
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
+from tokenfab.kernels.moe_common import (
+    down_epilogue,
+    experts_loop_ref,
+    gate_up_epilogue,
+    moe_pair_tile,
+    moe_program_tile,
+    store_pair_rows,
+)
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -78,37 +86,15 @@ def fused_experts_ref(
     intermediate, each pair's weighted output) and the k outputs of a token are summed in fp32,
     in slot order. (For fp32 inputs the ``.float()`` calls are free.)
     """
-    t, h = hidden.shape
     k = topk_ids.shape[1]
-    out = hidden.new_empty(t * k, h)
-    if t == 0:
-        return hidden.new_empty(0, h)
-    flat = topk_ids.reshape(-1).long()
-    wflat = topk_weights.reshape(-1).float()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pairs = order[start : start + c]
-        start += c
+
+    def expert(e: int, pairs: torch.Tensor) -> torch.Tensor:
         x = hidden[pairs // k].float()
         gu = F.linear(x, w13[e].float(), None if w13_bias is None else w13_bias[e].float())
         act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
-        y = F.linear(act.float(), w2[e].float(), None if w2_bias is None else w2_bias[e].float())
-        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
-    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+        return F.linear(act.float(), w2[e].float(), None if w2_bias is None else w2_bias[e].float())
 
-
-@triton.jit
-def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles sweep all column tiles
-    together, so a weight tile stays in L2 while those rows use it."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+    return experts_loop_ref(hidden, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 @triton.jit
@@ -131,19 +117,11 @@ def _moe_gate_up_kernel(
     The row tile's BLOCK_M sorted pairs share expert e = expert_ids[tile]; sentinel rows load
     zeros and are not stored. ACT: 0 SiLU-gated, 1 GPT-OSS clamped SwiGLU.
     """
-    # grouped ordering: GROUP_M row tiles sweep all column tiles together (weights stay in L2)
-    pid = tl.program_id(0)
-    num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < inter
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, inter,
+                                                       TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
     g_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None]
@@ -165,17 +143,8 @@ def _moe_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + e * sbe + inter + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    h = gate_up_epilogue(acc_g, acc_u, b_ptr, e, sbe, inter, offs_n, nmask, alpha, limit, HAS_BIAS, ACT)
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
 
 
 @triton.jit
@@ -191,19 +160,11 @@ def _moe_down_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """Program (row tile, column tile): out[pair, n] = (x[pair] . W2[e, n] + b2[e, n]) * topk_weight[pair]."""
-    # grouped ordering: GROUP_M row tiles sweep all column tiles together (weights stay in L2)
-    pid = tl.program_id(0)
-    num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < hidden
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, hidden,
+                                                       1, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
     b_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None]
@@ -219,11 +180,8 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    acc = acc * tl.load(tw_ptr + row, mask=valid, other=0.0)[:, None]
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    acc = down_epilogue(acc, b_ptr, e, sbe, offs_n, nmask, tw_ptr, row, valid, HAS_BIAS)
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, acc)
 
 
 @triton.jit

@@ -29,7 +29,14 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
-from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, grouped_tile, moe_config
+from tokenfab.kernels.moe_common import (
+    down_epilogue,
+    gate_up_epilogue,
+    moe_pair_tile,
+    moe_program_tile,
+    store_pair_rows,
+)
+from tokenfab.kernels.moe_gemm import ACTIVATIONS, _moe_sum_triton, moe_config
 from tokenfab.kernels.moe_w4a16_ref import _check, fused_experts_w4a16_native, fused_experts_w4a16_ref
 from tokenfab.kernels.w4a16 import CODECS, GROUP_SIZE, _dequant_tile, _unpack_codes, even_block_k
 
@@ -57,18 +64,11 @@ def _moe_w4_gate_up_kernel(
 ):
     """Program (row tile, column tile): out[pair, n] = act(x[pair // k] . G[e, n], x . U[e, n]) with
     G, U the dequantized gate and up rows of expert e = expert_ids[tile]; sentinel rows are skipped."""
-    pid = tl.program_id(0)
-    num_pid_n = (inter + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < inter
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, inter,
+                                                       TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
@@ -105,17 +105,8 @@ def _moe_w4_gate_up_kernel(
     if HAS_GLOBAL:
         acc_g = acc_g * tl.load(g_ptr + e * sge).to(tl.float32)
         acc_u = acc_u * tl.load(g_ptr + e * sge + sgu).to(tl.float32)
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + e * sbe + inter + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    h = gate_up_epilogue(acc_g, acc_u, b_ptr, e, sbe, inter, offs_n, nmask, alpha, limit, HAS_BIAS, ACT)
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
 
 
 @triton.jit
@@ -134,18 +125,11 @@ def _moe_w4_down_kernel(
     EVEN_K: tl.constexpr,
 ):
     """Program (row tile, column tile): out[pair, n] = (x[pair] . D[e, n] + b2[e, n]) * topk_weight[pair]."""
-    pid = tl.program_id(0)
-    num_pid_n = (hidden + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+    pid_m, pid_n = moe_program_tile(hidden, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < num_pairs
-    row = tl.where(valid, pair, 0).to(tl.int64)
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < hidden
+    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, hidden,
+                                                       1, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
@@ -170,11 +154,8 @@ def _moe_w4_down_kernel(
         s_ptrs += BLOCK_K // GROUP
     if HAS_GLOBAL:
         acc = acc * tl.load(g_ptr + e).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    acc = acc * tl.load(tw_ptr + row, mask=valid, other=0.0)[:, None]
-    o_ptrs = out_ptr + pair[:, None].to(tl.int64) * som + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+    acc = down_epilogue(acc, b_ptr, e, sbe, offs_n, nmask, tw_ptr, row, valid, HAS_BIAS)
+    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, acc)
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:

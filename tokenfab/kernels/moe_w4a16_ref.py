@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
+from tokenfab.kernels.moe_common import experts_loop_ref
 from tokenfab.kernels.moe_gemm import ACTIVATIONS, moe_activation_ref
 from tokenfab.kernels.w4a16 import check_w4, dequantize_w4
 
@@ -53,30 +54,19 @@ def _native_linear(x, q, s, g, b, codec: str, k: int) -> torch.Tensor:
 
 def _experts_loop(linear, hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias, w2_bias, w13_g, w2_g,
                   codec, activation, swiglu_alpha, swiglu_limit) -> torch.Tensor:
-    t, h, _, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
-                            activation)
+    _, h, num_experts, inter = _check(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_g, w2_g, codec,
+                                      activation)
     k = topk_ids.shape[1]
-    if t == 0:
-        return hidden.new_empty(0, h)
-    out = hidden.new_empty(t * k, h)
-    flat = topk_ids.reshape(-1).long()
-    wflat = topk_weights.reshape(-1).float()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13_q.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pairs = order[start : start + c]
-        start += c
+
+    def expert(e: int, pairs: torch.Tensor) -> torch.Tensor:
         g13, g2, b13, b2 = (None if v is None else v[e] for v in (w13_g, w2_g, w13_bias, w2_bias))
         if g13 is not None and g13.numel() == 2:  # gate and up scales: one per row
             g13 = g13.float().repeat_interleave(inter)
         gu = linear(hidden[pairs // k], w13_q[e], w13_s[e], g13, b13, codec, h)
         act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
-        y = linear(act, w2_q[e], w2_s[e], g2, b2, codec, inter)
-        out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
-    return out.view(t, k, h).float().sum(dim=1).to(hidden.dtype)
+        return linear(act, w2_q[e], w2_s[e], g2, b2, codec, inter)
+
+    return experts_loop_ref(hidden, topk_weights, topk_ids, num_experts, expert)
 
 
 def fused_experts_w4a16_ref(

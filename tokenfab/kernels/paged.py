@@ -5,7 +5,9 @@ A paged cache is ``[num_blocks, block_size, Hkv, D]`` (MLA/DSA: one "head" per t
 ``block_tables[b]``, so its key ``j`` lives at page ``block_tables[b, j // block_size]``, row
 ``j % block_size``.
 
-- ``gather_kv``: the references' page gather into one padded ``[B, L, ...]`` block.
+- ``gather_kv``: the references' page gather into one padded ``[B, L, ...]`` block;
+  ``pad_queries``: their scatter of the flat queries into ``[B, max_query_len, ...]`` and the
+  causal mask over it.
 - ``decode_reduce_kernel``: merges the partial softmaxes of a split-KV (flash-decoding) kernel;
   the decode attention, MLA and sparse-MLA kernels write ``part_o [T, H, S, BLOCK_DV]`` (fp32,
   unnormalised) and ``part_ml [T, H, S, 2]`` (running max in log2 units, sum) in this layout.
@@ -37,6 +39,34 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: 
     # index_select on the flat block index is several times faster on CPU than advanced indexing
     pages = cache.index_select(0, block_tables[:, :nblk].reshape(-1).long())  # [B * nblk, bs, Hkv, D]
     return pages.view(b, nblk * bs, *cache.shape[2:])[:, :max_context_len]
+
+
+def pad_queries(q: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
+                max_context_len: int, sliding_window: int = 0) -> tuple:
+    """The references' batched layout of a flat mixed batch q [T, ...]: (q_pad [B, Q, ...], seq_idx,
+    tok_idx, mask [B, Q, L]). Query i of sequence b sits at position ``context_lens[b] - q_len[b] + i``
+    and sees the keys up to it (the last ``sliding_window`` of them when > 0); ``out[seq_idx, tok_idx]``
+    takes the real rows back (both None when every row is a decode: q_pad is q's view). Padded query
+    rows see key 0, so that their softmax stays finite; they are dropped."""
+    b, t, dev = context_lens.shape[0], q.shape[0], q.device
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    ctx = context_lens.long()
+    if max_query_len == 1:
+        q_pad = q.view(b, 1, *q.shape[1:])
+        seq_idx = tok_idx = None
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=t)
+        tok_idx = torch.arange(t, device=dev) - cu_seqlens_q[:-1].long()[seq_idx]
+        q_pad = q.new_zeros(b, max_query_len, *q.shape[1:])
+        q_pad[seq_idx, tok_idx] = q
+    i = torch.arange(max_query_len, device=dev)
+    j = torch.arange(max_context_len, device=dev)
+    qpos = (ctx - q_lens)[:, None] + i[None, :]  # [B, Q]
+    mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+    if sliding_window > 0:
+        mask &= j[None, None, :] > qpos[:, :, None] - sliding_window
+    mask |= (i[None, :, None] >= q_lens[:, None, None]) & (j[None, None, :] == 0)
+    return q_pad, seq_idx, tok_idx, mask
 
 
 def flat_cache(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from tokenfab.kernels._dispatch import choose, use_triton
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
-from tokenfab.kernels.moe_gemm import grouped_tile
+from tokenfab.kernels.moe_common import grouped_tile
 
 CODECS = ("int4", "mxfp4", "nvfp4")
 GROUP_SIZE = {"int4": 32, "mxfp4": 32, "nvfp4": 16}
