@@ -121,32 +121,29 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
+    def _attn_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the first layer's residual is x itself."""
+        if residual is None:
+            residual = x.clone()
+            return self.input_layernorm.forward(x), residual
+        return self.input_layernorm.forward(x, residual)
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x.clone()
-            h = self.input_layernorm.forward(x)
-        else:
-            h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(h, batch)
-        h, residual = self.post_attention_layernorm.forward(h, residual)
+        h, residual = self._attn_input(x, residual)
+        h, residual = self.post_attention_layernorm.forward(self.self_attn.forward(h, batch), residual)
         return self.mlp.forward(h), residual
 
     def forward_stages(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> two_batch.Stages:
-        """``forward`` as stages (distributed/two_batch.py), line for line: in an overlapped step each
-        ``yield from two_batch.call`` ends a stage after the call's collective is launched (attention,
-        MLP/MoE). ``forward`` stays generator-free: torch.compile (fullgraph) does not trace generators'
-        return values."""
-        if residual is None:
-            residual = x.clone()
-            h = self.input_layernorm.forward(x)
-        else:
-            h, residual = self.input_layernorm.forward(x, residual)
+        """``forward`` as stages (distributed/two_batch.py): the same pieces, each module call through
+        ``yield from two_batch.call``, which in an overlapped step ends a stage after the call's
+        collective is launched (attention, MLP/MoE). ``forward`` stays generator-free: torch.compile
+        (fullgraph) does not trace generators' return values."""
+        h, residual = self._attn_input(x, residual)
         h = yield from two_batch.call(self.self_attn, h, batch)
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        h = yield from two_batch.call(self.mlp, h)
-        return h, residual
+        return (yield from two_batch.call(self.mlp, h)), residual
 
 
 class DecoderModel(nn.Module):
