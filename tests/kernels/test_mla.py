@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.kernels.tolerances import assert_close
-from tokenfab.kernels import mla
+from tokenfab.kernels import mla, mla_ref
 
 
 def _batch(q_lens, ctx_lens, h, r, rope, bs, dtype, gen, device):
@@ -161,5 +161,5 @@ def test_reference_query_chunks(gen, monkeypatch):
     q, cache, bt, cu, ctx = _batch(q_lens, ctx_lens, 3, 32, 16, 8, torch.float32, gen, "cpu")
     args = (q, cache, bt, cu, ctx, 14, 30, 0.2, 32)
     whole = mla.mla_attention_ref(*args)
-    monkeypatch.setattr(mla, "REF_CHUNK_ELEMENTS", 3 * 3 * 30 * 4)  # 4 query positions a chunk
+    monkeypatch.setattr(mla_ref, "REF_CHUNK_ELEMENTS", 3 * 3 * 30 * 4)  # 4 query positions a chunk
     torch.testing.assert_close(mla.mla_attention_ref(*args), whole, atol=1e-6, rtol=1e-6)
