@@ -7,22 +7,10 @@ import pytest
 import torch
 
 from tokenfab import LLM, SamplingParams
+from tokenfab.bench.prompts import CHATS, TEXT_PROMPTS
 from tokenfab.loader.bundled import bundled_model_path
 
 NEW_TOKENS = 64
-TEXT_PROMPTS = [
-    "The capital of France is",
-    "def quicksort(arr):",
-    "Once upon a time, in a small village by the sea,",
-    "Les mathématiques sont",
-    "1, 1, 2, 3, 5, 8,",
-    "東京は日本の首都です。",
-]
-CHATS = [
-    [{"role": "user", "content": "Give me three tips for writing clear emails."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "What is the boiling point of water in Fahrenheit?"}],
-]
 
 
 @pytest.fixture(scope="module")

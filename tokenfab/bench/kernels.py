@@ -21,29 +21,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from tokenfab.bench.kernels_report import ceilings, compiled_kernels, machine_info, markdown
-
-
-@dataclass
-class Row:
-    op: str
-    shape: str
-    dtype: str
-    metric: str  # "GB/s" or "TFLOP/s"
-    time_us: float
-    value: float  # achieved GB/s or TFLOP/s
-    ceiling: float  # measured copy GB/s or matrix TFLOP/s of this run
-    fraction_of_ceiling: float
-    peer: str
-    peer_time_us: float | None
-    speedup_vs_peer: float | None
-    max_abs_err: float | None
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
-    peer_fraction_of_ceiling: float | None = None  # the fastest peer's value / the same ceiling
+from tokenfab.bench.kernels_rows import _bench_cpu, _bench_cuda, make_row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,28 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-peers", choices=("auto", "on", "off"), default="auto",
                         help="also time torch.compile of each op's reference as a peer (auto: on CUDA only; on "
                              "CPU the kernels run interpreted and inductor compiles take minutes on 2 cores)")
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def _bench_cuda(fn: Callable[[], object], rep_ms: float) -> float:
-    """Median milliseconds of ``fn`` with CUDA events (triton's do_bench: warm-up, L2 flush)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=max(rep_ms / 4, 10), rep=rep_ms, return_mode="median"))
-
-
-def _bench_cpu(fn: Callable[[], object], rep_ms: float) -> float:
-    fn()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1000
-    while not times or (time.perf_counter() < deadline and len(times) < 20):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return times[len(times) // 2]
 
 
 # --------------------------------------------------------------------------- workloads
@@ -374,25 +334,12 @@ def run(args: argparse.Namespace) -> int:
             save()
             continue
         flops = name == "prefill_attention" or name.startswith(("fused_moe", "gemm_"))
-        value = amount / (t_ms * 1e-3) / (1e12 if flops else 1e9)
-        ceiling = measured.get("matmul_TFLOPs" if flops else "copy_GBps")
-        timed_peers = {k: v for k, v in peer_times.items() if isinstance(v, float)}
-        peer_name = min(timed_peers, key=timed_peers.get) if timed_peers else (peers[0][0] if peers else "-")
-        tp_ms = timed_peers.get(peer_name)
-        peer_value = amount / (tp_ms * 1e-3) / (1e12 if flops else 1e9) if tp_ms else None
-        row = Row(
-            op=op, shape=shape, dtype=str(dtype).removeprefix("torch."), metric="TFLOP/s" if flops else "GB/s",
-            time_us=t_ms * 1e3, value=value, ceiling=ceiling or 0.0,
-            fraction_of_ceiling=(value / ceiling) if ceiling else 0.0,
-            peer=peer_name, peer_time_us=tp_ms * 1e3 if tp_ms else None,
-            speedup_vs_peer=(tp_ms / t_ms) if tp_ms else None, max_abs_err=e,
-            notes="sample: max_abs_err is the fraction of rows drawing another token" if name == "sample" else "",
-            extra={"peers_us": {k: (v * 1e3 if isinstance(v, float) else v) for k, v in peer_times.items()}},
-            peer_fraction_of_ceiling=(peer_value / ceiling) if (peer_value and ceiling) else None,
-        )
+        row = make_row(name, op, shape, str(dtype).removeprefix("torch."), flops, amount, t_ms, peers, peer_times, e,
+                       measured)
         results.append(asdict(row))
-        print(f"{op:24s} {shape:40s} {t_ms * 1e3:10.1f} us  {value:8.3g} {row.metric}"
-              + (f"  {tp_ms / t_ms:5.2f}x vs {peer_name}" if tp_ms else ""), flush=True)
+        tp_ms = row.peer_time_us / 1e3 if row.peer_time_us else None
+        print(f"{op:24s} {shape:40s} {t_ms * 1e3:10.1f} us  {row.value:8.3g} {row.metric}"
+              + (f"  {tp_ms / t_ms:5.2f}x vs {row.peer}" if tp_ms else ""), flush=True)
         if args.sweep and cuda and name in variants:
             for cfg in SWEEPS.get(name, []):
                 if args.budget_s is not None and time.perf_counter() - start > args.budget_s:

@@ -2,7 +2,7 @@
 
     python -m tokenfab.bench.mla [--size tiny] [--json out.json] [--rep-ms 200]
 
-Rows (``tokenfab.bench.kernels.Row``, so ``tokenfab bench kernels`` can merge them):
+Rows (``tokenfab.bench.kernels_rows.Row``, so ``tokenfab bench kernels`` can merge them):
 - MLA decode: batch 64, 128 heads, latent 512 + rope 64, 4k context, bf16, paged (block 64). The op
   must read every sequence's cached rows once (64 x 4096 x 576 x 2 B = 302 MB): GB/s of that against
   the copy bandwidth measured in the same run (the issue's goal: 70%). Its matrix work is large too
@@ -23,7 +23,7 @@ from dataclasses import asdict
 
 import torch
 
-from tokenfab.bench.kernels import Row, _bench_cpu, _bench_cuda
+from tokenfab.bench.kernels_rows import Row, _bench_cpu, _bench_cuda
 
 
 def _copy_gbps(dev: torch.device, bench: Callable) -> float:

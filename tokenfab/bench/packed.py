@@ -27,21 +27,9 @@ from typing import Any
 import torch
 
 from tokenfab.bench.common import git_commit, git_dirty, load_average, machine
+from tokenfab.bench.prompts import CHATS, TEXT_PROMPTS
 
 MODES = ("gguf", "gguf-q8act", "none")
-PROMPTS = [
-    "The capital of France is",
-    "def quicksort(arr):",
-    "Once upon a time, in a small village by the sea,",
-    "Les mathématiques sont",
-    "1, 1, 2, 3, 5, 8,",
-    "東京は日本の首都です。",
-]
-CHATS = [
-    [{"role": "user", "content": "Give me three tips for writing clear emails."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "What is the boiling point of water in Fahrenheit?"}],
-]
 _WORDS = ("the model token server batch cache kernel stream request latency memory block prefix decode "
           "river mountain city ocean forest garden window morning evening story music paper science").split()
 
@@ -118,7 +106,7 @@ def drift(new_tokens: int) -> dict[str, Any]:
 
     probe = LLM(quantization="none")
     tok = probe.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS] + [probe.apply_chat_template(c) for c in CHATS]
+    prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [probe.apply_chat_template(c) for c in CHATS]
     del probe
     hf, hf_tokens = _hf_greedy(prompts, new_tokens)
     rows = []
