@@ -193,3 +193,20 @@ void store_kv(const void *k, int64_t k_st, int64_t k_sh, const void *v, int64_t 
         }
     }
 }
+
+/* What this build's kernels outside ggml_*.c run (common.h): bit 0 the AVX-512 paths, 1 the AVX2 + FMA
+ * paths (else portable C), 2 AVX512-BF16 key dots in paged attention, 3 F16C, 4 AVX-512DQ (w4a16's
+ * NVFP4 two-group decode). kernels/cpu/info.py names them. */
+int tf_cpu_isa(void) {
+    int f = (TF_AVX512 ? 1 : 0) | (TF_AVX2 ? 2 : 0);
+#ifdef __AVX512BF16__
+    f |= 4;
+#endif
+#ifdef __F16C__
+    f |= 8;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    f |= 16;
+#endif
+    return f;
+}

@@ -28,13 +28,19 @@
  * (AVX-512), instead of one horizontal sum per dot product. Softmax is exact (two passes over
  * the scores, which stay in a per-task buffer).
  *
+ * Code paths (common.h): AVX-512, AVX2 + FMA, portable C. The AVX2 path holds each 16-lane
+ * accumulator as two 8-lane halves and reduces them in the AVX-512 tree's order, and its value sums
+ * take the same per-column FMAs: with float32 or e4m3 caches its output equals the AVX-512 path's bit
+ * for bit. bfloat16 keys on AVX512-BF16 are dotted by vdpbf16ps (another pairing of the products):
+ * there the paths agree to bfloat16 tolerance only.
+ *
  * Batch invariance: a sequence with up to EXTEND_AS_DECODE query rows (a speculative verify: k + 1
  * rows) also runs `attend`, each row over its own causal prefix, so every row is bit for bit the
  * decode row at its position (speculation's greedy output then equals plain decoding's). A row's
  * result never depends on the other rows or sequences of the batch, nor on the kv-head split.
  *
  * FP8 caches (float8 e4m3, `paged_attention_{f32,bf16}_fp8kv`): a stored byte is decoded to float by bit
- * arithmetic (AVX-512: 16 at a time; no table, no float subnormals involved) into the same row buffers
+ * arithmetic (AVX-512: 16 at a time, AVX2: 8; no table, no float subnormals involved) into the same row buffers
  * the bfloat16 path widens into; the key scale is folded into the query scale and the value scale
  * into the final 1 / denominator, so no per-element multiply is added.
  *
@@ -43,6 +49,7 @@
  * an online softmax, causal (and window) masks per row. Both kinds of task go into one list,
  * ordered by cost, longest first, and are taken dynamically by the threads.
  */
+#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -81,40 +88,9 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_E4M3 = 2 };
 /* bytes of one cache element */
 static inline int64_t kv_esz(const Args *a) { return a->kv == KV_E4M3 ? 1 : a->kv == KV_BF16 ? 2 : 4; }
 
-/* a float8 e4m3 (fn: no infinities) byte as float: exponent bits 6..3 (bias 7), mantissa bits 2..0;
- * 0x7f / 0xff (NaN) are never stored (writers clamp to +-448) and read as +-480 */
-static inline float e4m3_to_f32(uint8_t b) {
-    const uint32_t mag = b & 0x7fu;
-    float f;
-    if (mag < 8) {
-        f = (float)mag * (1.0f / 512.0f); /* subnormal: m * 2^-9 */
-    } else {
-        const uint32_t u = (mag << 20) + (120u << 23); /* exponent rebased from 7 to 127 */
-        memcpy(&f, &u, sizeof f);
-    }
-    return (b & 0x80u) ? -f : f;
-}
+/* (e4m3 bytes are widened by common.h's widen_e4m3) */
 
-/* n e4m3 bytes widened to float */
-static inline void widen_e4m3(const uint8_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    const __m512i low7 = _mm512_set1_epi32(0x7f), rebias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8);
-    const __m512 sub_step = _mm512_set1_ps(1.0f / 512.0f);
-    for (; i + 16 <= n; i += 16) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
-        const __m512i mag = _mm512_and_si512(b, low7);
-        const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), rebias));
-        const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), sub_step);
-        const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, subnormal);
-        const __m512i sign = _mm512_slli_epi32(_mm512_andnot_si512(low7, b), 24); /* bit 7 -> bit 31 */
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign)));
-    }
-#endif
-    for (; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
-}
-
-#ifdef __AVX512F__
+#if TF_AVX512
 /* lane i of the result is the sum of acc[i]'s 16 lanes: a transpose-add tree, 15 shuffle-add
  * steps for 16 dot products instead of 16 horizontal sums */
 static inline __m512 reduce16(const __m512 *acc) {
@@ -130,6 +106,24 @@ static inline __m512 reduce16(const __m512 *acc) {
                               _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif TF_AVX2
+/* reduce16's sums for 4 dot products, each held as two 8-lane halves (lo: lanes 0-7, hi: 8-15), in
+ * reduce16's order: with Lk = (e0 + e2) + (e1 + e3) over 128-bit lane k, the sum is (L0 + L1) + (L2 + L3),
+ * so the AVX2 path's scores are the AVX-512 path's bit for bit. quad(a)'s 128-bit lane k holds Lk of
+ * a[0..3]. */
+static inline __m256 quad(const __m256 *a) {
+    const __m256 u01 = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+    const __m256 u23 = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+static inline __m128 reduce4x16(const __m256 *lo, const __m256 *hi) {
+    const __m256 a = quad(lo), b = quad(hi);
+    const __m128 s01 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s23 = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    return _mm_add_ps(s01, s23);
 }
 #endif
 
@@ -150,26 +144,56 @@ static inline void dot16_bf16(const uint16_t *q, const uint16_t *const *rows, in
 #define HAVE_DOT16_BF16 0
 #endif
 
-/* out[i] = dot(q, rows[i]) for i < TILE; rows are D floats each. */
+/* out[i] = dot(q, rows[i]) for i < TILE; rows are D floats each. Lane j of a 16-lane accumulator
+ * takes columns j, j + 16, ...; a D that is not a multiple of 16 ends with a masked (zero-filled)
+ * load, so any D sums in the same order on the AVX-512 and AVX2 paths. */
 static inline void dot16(const float *q, const float *const *rows, int64_t D, float *out) {
-#ifdef __AVX512F__
-    if (D % 16 == 0) {
-        __m512 acc[TILE];
-        for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-            __m512 qv = _mm512_loadu_ps(q + c);
-            for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[i] + c), acc[i]);
-        }
-        __m512 r = reduce16(acc);
-        _mm512_storeu_ps(out, r); /* lane i of r is dot(q, rows[i]) */
-        return;
+#if TF_AVX512
+    const int64_t full = D - D % 16;
+    const __mmask16 tail = (__mmask16)((1u << (D % 16)) - 1u);
+    __m512 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < full; c += 16) {
+        __m512 qv = _mm512_loadu_ps(q + c);
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[i] + c), acc[i]);
     }
-#endif
+    if (tail) {
+        __m512 qv = _mm512_maskz_loadu_ps(tail, q + full);
+        for (int i = 0; i < TILE; i++) acc[i] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, rows[i] + full), acc[i]);
+    }
+    _mm512_storeu_ps(out, reduce16(acc)); /* lane i of the sum is dot(q, rows[i]) */
+#elif TF_AVX2
+    /* the AVX-512 lanes as halves, 4 keys at a time (8 accumulators of 16 registers) */
+    const int64_t full = D - D % 16, r = D % 16;
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), iota);
+    const __m256i m_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r - 8), iota);
+    for (int k0 = 0; k0 < TILE; k0 += 4) {
+        __m256 lo[4], hi[4];
+        for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < full; c += 16) {
+            const __m256 ql = _mm256_loadu_ps(q + c), qh = _mm256_loadu_ps(q + c + 8);
+            for (int i = 0; i < 4; i++) {
+                lo[i] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(rows[k0 + i] + c), lo[i]);
+                hi[i] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(rows[k0 + i] + c + 8), hi[i]);
+            }
+        }
+        if (r) {
+            const __m256 ql = _mm256_maskload_ps(q + full, m_lo), qh = _mm256_maskload_ps(q + full + 8, m_hi);
+            for (int i = 0; i < 4; i++) {
+                lo[i] = _mm256_fmadd_ps(ql, _mm256_maskload_ps(rows[k0 + i] + full, m_lo), lo[i]);
+                hi[i] = _mm256_fmadd_ps(qh, _mm256_maskload_ps(rows[k0 + i] + full + 8, m_hi), hi[i]);
+            }
+        }
+        _mm_storeu_ps(out + k0, reduce4x16(lo, hi));
+    }
+#else
     for (int i = 0; i < TILE; i++) {
         float s = 0.0f;
         for (int64_t d = 0; d < D; d++) s += q[d] * rows[i][d];
         out[i] = s;
     }
+#endif
 }
 
 /* ask for the cache lines of [p, p + bytes) ahead of use (random pages defeat the hardware
@@ -224,7 +248,7 @@ static inline void tile_rows(const char *const *tok, int cnt, int64_t off, int64
  * accumulators: one accumulator would chain cnt dependent FMAs (4 cycles each). */
 static inline void axpy_tile(float *acc, const float *p, const float *const *rows, int cnt, int64_t Dv) {
     int64_t c = 0;
-#ifdef __AVX512F__
+#if TF_AVX512
     for (; c + 64 <= Dv; c += 64) {
         __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
         __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
@@ -245,6 +269,56 @@ static inline void axpy_tile(float *acc, const float *p, const float *const *row
         __m512 av = _mm512_loadu_ps(acc + c);
         for (int i = 0; i < cnt; i++) av = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(rows[i] + c), av);
         _mm512_storeu_ps(acc + c, av);
+    }
+    if (c < Dv) { /* the last Dv % 16 columns, masked: the same FMAs per column as the AVX2 path's */
+        const __mmask16 mk = (__mmask16)((1u << (Dv - c)) - 1u);
+        __m512 av = _mm512_maskz_loadu_ps(mk, acc + c);
+        for (int i = 0; i < cnt; i++)
+            av = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_maskz_loadu_ps(mk, rows[i] + c), av);
+        _mm512_mask_storeu_ps(acc + c, mk, av);
+        return;
+    }
+#elif TF_AVX2
+    /* each column takes the same fused multiply-adds in the same order as above; 32 columns a step
+     * (4 accumulators), then 16, so the scalar tail starts at the same column */
+    for (; c + 32 <= Dv; c += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
+        for (int i = 0; i < cnt; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            const float *row = rows[i] + c;
+            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(acc + c, a0);
+        _mm256_storeu_ps(acc + c + 8, a1);
+        _mm256_storeu_ps(acc + c + 16, a2);
+        _mm256_storeu_ps(acc + c + 24, a3);
+    }
+    for (; c + 16 <= Dv; c += 16) {
+        __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
+        for (int i = 0; i < cnt; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(rows[i] + c), a0);
+            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(rows[i] + c + 8), a1);
+        }
+        _mm256_storeu_ps(acc + c, a0);
+        _mm256_storeu_ps(acc + c + 8, a1);
+    }
+    if (c < Dv) { /* the last Dv % 16 columns, masked (a compiled loop would reassociate over i) */
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), r = _mm256_set1_epi32((int)(Dv - c));
+        const __m256i m0 = _mm256_cmpgt_epi32(r, iota), m1 = _mm256_cmpgt_epi32(_mm256_sub_epi32(r, _mm256_set1_epi32(8)), iota);
+        __m256 a0 = _mm256_maskload_ps(acc + c, m0), a1 = _mm256_maskload_ps(acc + c + 8, m1);
+        for (int i = 0; i < cnt; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            a0 = _mm256_fmadd_ps(pi, _mm256_maskload_ps(rows[i] + c, m0), a0);
+            a1 = _mm256_fmadd_ps(pi, _mm256_maskload_ps(rows[i] + c + 8, m1), a1);
+        }
+        _mm256_maskstore_ps(acc + c, m0, a0);
+        _mm256_maskstore_ps(acc + c + 8, m1, a1);
+        return;
     }
 #endif
     for (; c < Dv; c++) {
@@ -426,7 +500,7 @@ static inline void axpy_rows2(float *acc0, float *acc1, const float *p0, const f
                               int cnt, int64_t Dv) {
     if (cnt <= 0) return;
     int64_t c = 0;
-#ifdef __AVX512F__
+#if TF_AVX512
     for (; c + 64 <= Dv; c += 64) {
         __m512 a0 = _mm512_loadu_ps(acc0 + c), a1 = _mm512_loadu_ps(acc0 + c + 16);
         __m512 a2 = _mm512_loadu_ps(acc0 + c + 32), a3 = _mm512_loadu_ps(acc0 + c + 48);
@@ -454,6 +528,35 @@ static inline void axpy_rows2(float *acc0, float *acc1, const float *p0, const f
         _mm512_storeu_ps(acc1 + c + 16, b1);
         _mm512_storeu_ps(acc1 + c + 32, b2);
         _mm512_storeu_ps(acc1 + c + 48, b3);
+    }
+#elif TF_AVX2
+    for (; c + 32 <= Dv; c += 32) { /* 8 accumulators: 4 per row */
+        __m256 a0 = _mm256_loadu_ps(acc0 + c), a1 = _mm256_loadu_ps(acc0 + c + 8);
+        __m256 a2 = _mm256_loadu_ps(acc0 + c + 16), a3 = _mm256_loadu_ps(acc0 + c + 24);
+        __m256 b0 = _mm256_loadu_ps(acc1 + c), b1 = _mm256_loadu_ps(acc1 + c + 8);
+        __m256 b2 = _mm256_loadu_ps(acc1 + c + 16), b3 = _mm256_loadu_ps(acc1 + c + 24);
+        for (int i = 0; i < cnt; i++) {
+            const __m256 pa = _mm256_set1_ps(p0[i]), pb = _mm256_set1_ps(p1[i]);
+            const float *row = rows[i] + c;
+            const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+            const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+            a0 = _mm256_fmadd_ps(pa, v0, a0);
+            a1 = _mm256_fmadd_ps(pa, v1, a1);
+            a2 = _mm256_fmadd_ps(pa, v2, a2);
+            a3 = _mm256_fmadd_ps(pa, v3, a3);
+            b0 = _mm256_fmadd_ps(pb, v0, b0);
+            b1 = _mm256_fmadd_ps(pb, v1, b1);
+            b2 = _mm256_fmadd_ps(pb, v2, b2);
+            b3 = _mm256_fmadd_ps(pb, v3, b3);
+        }
+        _mm256_storeu_ps(acc0 + c, a0);
+        _mm256_storeu_ps(acc0 + c + 8, a1);
+        _mm256_storeu_ps(acc0 + c + 16, a2);
+        _mm256_storeu_ps(acc0 + c + 24, a3);
+        _mm256_storeu_ps(acc1 + c, b0);
+        _mm256_storeu_ps(acc1 + c + 8, b1);
+        _mm256_storeu_ps(acc1 + c + 16, b2);
+        _mm256_storeu_ps(acc1 + c + 24, b3);
     }
 #endif
     if (c < Dv) {

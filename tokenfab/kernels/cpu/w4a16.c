@@ -12,6 +12,11 @@
  * row (split once into even and odd elements): each packed byte is read once per call and the
  * full-precision copy is one row per thread. Sums are float32 in the compiler's vectorized order
  * (the reference differs by summation order only).
+ *
+ * Code paths (common.h): the decode is a table lookup per nibble, AVX-512 (one 16-entry vpermps) or
+ * AVX2 (two 8-entry vpermps and a blend), else C; each value is the same product code * scale on
+ * every path, and the dot products are the same compiled loop (GCC vectorizes it 8 wide for both
+ * targets), so the AVX2 and AVX-512 builds agree bit for bit. F16C converts float16 scales (exact).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -19,6 +24,9 @@
 #include "common.h"
 
 static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h); /* exact, as the bit arithmetic below */
+#else
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
     float f;
     if (exp == 0) {
@@ -33,6 +41,7 @@ static inline float f16_to_f32(uint16_t h) {
     uint32_t u = sign | ((exp + 112) << 23) | (man << 13);
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 static inline float e4m3_to_f32(uint8_t b) {
@@ -59,13 +68,29 @@ static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 /* nb bytes (a compile-time 16 or 8 after inlining: one vector each) -> their low and high values x s */
 static inline void decode_bytes(const uint8_t *restrict b, float *restrict lo, float *restrict hi, float s,
                                 int int4, int64_t nb) {
-#ifdef __AVX512F__
+#if TF_AVX512
     if (nb == 16) { /* 16 bytes: a 16-entry table lookup per nibble in one vpermps */
         static const float INT4[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
         __m512 table = _mm512_mul_ps(_mm512_loadu_ps(int4 ? INT4 : E2M1), _mm512_set1_ps(s));
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
         _mm512_storeu_ps(lo, _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table));
         _mm512_storeu_ps(hi, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+        return;
+    }
+#elif TF_AVX2
+    if (nb == 16 || nb == 8) { /* the 16-entry table as two 8-entry halves; bit 3 of the code picks the half */
+        static const float INT4[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+        const float *t = int4 ? INT4 : E2M1;
+        const __m256 sv = _mm256_set1_ps(s);
+        const __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(t), sv), t1 = _mm256_mul_ps(_mm256_loadu_ps(t + 8), sv);
+        for (int64_t i = 0; i < nb; i += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + i)));
+            const __m256i l = _mm256_and_si256(v, _mm256_set1_epi32(15)), h = _mm256_srli_epi32(v, 4);
+            _mm256_storeu_ps(lo + i, _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, l), _mm256_permutevar8x32_ps(t1, l),
+                                                      _mm256_castsi256_ps(_mm256_slli_epi32(l, 28))));
+            _mm256_storeu_ps(hi + i, _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, h), _mm256_permutevar8x32_ps(t1, h),
+                                                      _mm256_castsi256_ps(_mm256_slli_epi32(h, 28))));
+        }
         return;
     }
 #endif
