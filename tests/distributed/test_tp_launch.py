@@ -12,7 +12,7 @@ import torch
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab import LLM, SamplingParams
 from tokenfab.distributed.parallel_state import get_parallel_state
-from tokenfab.executors.tp_executor import CMD_FORWARD, MODE_SCORING, batch_header, pack_batch, unpack_batch
+from tokenfab.executors.tp_protocol import CMD_FORWARD, MODE_SCORING, batch_header, pack_batch, unpack_batch
 from tokenfab.forward_batch import ForwardBatch
 
 # engine settings that reach chunked prefill (8-token chunks), prefix-cache hits (shared prompt

@@ -162,7 +162,7 @@ def core(engine, tmp_path_factory):
     """The reference first (detokenizing), then the same engine token-only behind EngineCore."""
     cases = _with_grammar(engine)
     reference = _in_process(engine, cases)
-    engine.detokenize, engine._decode_one = False, TokenTexts(None)
+    engine.post.detokenize, engine.post.decode_one = False, TokenTexts(None)
     address = f"ipc://{tmp_path_factory.mktemp('core')}/core.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -177,7 +177,7 @@ def core(engine, tmp_path_factory):
     client.close()
     sock.close(0)
     ctx.term()
-    engine.detokenize, engine._decode_one = True, TokenTexts(engine.tokenizer)
+    engine.post.detokenize, engine.post.decode_one = True, TokenTexts(engine.tokenizer)
 
 
 def _through_client(client, params, prefix=""):

@@ -58,6 +58,7 @@ class EngineArgs:
     tbo_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        # lazy: this module is the CLI's (``tokenfab --help``), which must not pay for importing torch
         from tokenfab.quant.kv_fp8 import parse_kv_cache_dtype, parse_skip_layers
 
         parse_kv_cache_dtype(self.kv_cache_dtype)  # a bad value fails here, before the model loads

@@ -1,10 +1,11 @@
 """From sampled token ids to what the user reads: incremental detokenization, stop strings (with the
 hold-back of a tail that may begin one), logprob entries.
 
-One code path for both ways the engine runs: ``LLMEngine`` calls ``append_text`` / ``visible_text`` /
-``logprob_entry`` on its ``Sequence`` when it detokenizes itself (the offline ``LLM``, the in-thread
-server), and ``OutputProcessor`` calls the same functions on a ``TextState`` in the API-server
-process when the engine core runs in its own process and sends token ids only. Both objects carry
+One code path for both ways the engine runs: ``LLMEngine`` (``engine/postprocess.py``) calls
+``append_text`` / ``take_delta`` / ``logprob_entry`` on its ``Sequence`` when it detokenizes itself
+(the offline ``LLM``, the in-thread server), and ``OutputProcessor`` calls the same functions on a
+``TextState`` in the API-server process when the engine core runs in its own process and sends
+token ids only. Both objects carry
 the same attributes (``token_ids``, ``num_prompt_tokens``, ``prefix_offset``, ``read_offset``,
 ``output_text``, ``emitted_text_len``, ``emitted_token_len``, ``stop_reason``, ``params``).
 """
@@ -14,8 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenfab.engine.requests.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenfab.engine.requests.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    logprobs_from_wire,
+)
 from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
 from tokenfab.tokenizer import detokenize_incrementally
 
 
@@ -58,6 +66,36 @@ def visible_text(seq: Any, finished: bool) -> tuple[str, str]:
     delta = text[seq.emitted_text_len :]
     seq.emitted_text_len = len(text)
     return text, delta
+
+
+def take_delta(seq: Any, finished: bool) -> tuple[str, str, list[int]]:
+    """(text shown so far, its new part, the token ids new since the last call): what one
+    ``RequestOutput`` carries; marks them emitted."""
+    text, delta_text = visible_text(seq, finished)  # holds back a possible stop-string prefix
+    delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.emitted_token_len :]
+    seq.emitted_token_len = len(seq.token_ids) - seq.num_prompt_tokens
+    return text, delta_text, delta_ids
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """The engine's output for ``seq`` now (text and token ids so far, what is new since the last)."""
+    finished = seq.status == SequenceStatus.FINISHED
+    text, delta_text, delta_ids = take_delta(seq, finished)
+    out = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=seq.output_token_ids,  # a fresh slice already
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        delta_text=delta_text,
+        delta_token_ids=delta_ids,
+    )
+    metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)
+    return RequestOutput(
+        seq.request_id, seq.prompt, seq.prompt_token_ids, [out], finished,
+        seq.num_cached_tokens, metrics, seq.prompt_logprobs, seq.error,
+    )
 
 
 def logprob_entry(token: int, lp: tuple, decode_one: Callable[[int], str]) -> dict[int, Logprob]:
@@ -128,8 +166,6 @@ class OutputProcessor:
                 stop_reason: int | str | None, error: str | None, num_cached_tokens: int,
                 prompt_logprobs: list | None, stopped: list[str]) -> RequestOutput | None:
         """One output record of the core (see ``ipc``); None for a request no longer tracked."""
-        from tokenfab.engine.core.ipc import logprobs_from_wire
-
         st = self.states.get(request_id)
         if st is None:
             return None
@@ -152,10 +188,7 @@ class OutputProcessor:
             st.stop_reason = stop_reason
             st.error = error
         finished = st.finish_reason is not None
-        text, delta_text = visible_text(st, finished)
-        num_out = len(st.token_ids) - st.num_prompt_tokens
-        delta_ids = st.token_ids[st.num_prompt_tokens + st.emitted_token_len :]
-        st.emitted_token_len = num_out
+        text, delta_text, delta_ids = take_delta(st, finished)
         if finished:
             self.states.pop(request_id, None)
         out = CompletionOutput(

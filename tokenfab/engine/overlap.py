@@ -45,18 +45,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.postprocess import Postprocessor
+from tokenfab.engine.requests.errors import EngineDeadError, raise_if_fatal
 from tokenfab.engine.requests.outputs import RequestOutput
-from tokenfab.engine.requests.scheduler import ScheduledBatch
+from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.engine.runner.sampler import logprob_rows, logprob_tensors, sample_tokens
-
-if TYPE_CHECKING:
-    from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.speculative.step import SpecDecoder
 
 log = logging.getLogger("tokenfab")
 
@@ -92,10 +92,23 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+class SteppedEngine(Protocol):
+    """What the overlapped step loop drives (``LLMEngine``): its parts and its synchronous step."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    spec: SpecDecoder | None
+    post: Postprocessor
+    eos_token_ids: list[int]
+    max_model_len: int
+
+    def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]: ...
+
+
 class OverlapScheduler:
     """The step loop of an ``LLMEngine`` with async scheduling on (see the module docstring)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: SteppedEngine) -> None:
         self.engine = engine
         self.pending: PendingStep | None = None
         self.num_sync_steps = 0  # steps that fell back to the synchronous path
@@ -110,7 +123,7 @@ class OverlapScheduler:
         batch = eng.scheduler.schedule()
         if batch.empty:
             if self.pending is None:
-                return eng._unschedulable()
+                return eng.post.unschedulable()
             return self.resolve()
         if any(needs_sync(s) for s in batch.seqs):
             return self._sync_step(batch)
@@ -119,7 +132,7 @@ class OverlapScheduler:
         except EngineDeadError:
             raise
         except Exception as e:
-            eng._raise_if_fatal(e)
+            raise_if_fatal(e)
             log.warning("the overlapped step of %d sequences failed (%r); running it synchronously",
                         len(batch.seqs), e)
             return self._sync_step(batch)
@@ -139,8 +152,9 @@ class OverlapScheduler:
             tokens = prev.host.tolist()
             lps = [t.tolist() for t in prev.logprobs] if prev.logprobs is not None else None
         except Exception as e:  # the device failed under step N: EngineDeadError when fatal
-            eng._raise_if_fatal(e)
+            raise_if_fatal(e)
             raise
+        post = eng.post
         outputs = []
         for seq, row in prev.rows.items():
             assert seq.token_ids[-1] == PLACEHOLDER, "a pending sequence lost its placeholder"
@@ -151,11 +165,11 @@ class OverlapScheduler:
             if lps is not None and seq.params.logprobs is not None:
                 lp = logprob_rows([seq], *([t[row]] for t in lps))[0]
             try:
-                eng._append_token(seq, tokens[row], lp)
+                post.append_token(seq, tokens[row], lp)
             except Exception as e:
-                eng._raise_if_fatal(e)
-                eng._fail(seq, f"processing the sampled token failed: {e}")
-            outputs.append(eng._output(seq))
+                raise_if_fatal(e)
+                post.fail(seq, f"processing the sampled token failed: {e}")
+            outputs.append(post.output(seq))
         return outputs
 
     # ---- internals -------------------------------------------------------------------
@@ -168,7 +182,7 @@ class OverlapScheduler:
         eng.spec.propose(eng.scheduler.running)
         batch = eng.scheduler.schedule()
         if batch.empty:
-            return outputs + eng._unschedulable()
+            return outputs + eng.post.unschedulable()
         return outputs + eng.run_batch(batch)
 
     def _sync_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -235,10 +249,9 @@ class OverlapScheduler:
         self, batch: ScheduledBatch, done: list[bool], sample_mask: list[bool], step: PendingStep | None,
     ) -> list[RequestOutput]:
         """Book the launched step for the sequences still alive; it becomes the pending step."""
-        eng = self.engine
+        eng, post = self.engine, self.engine.post
         now = time.time()
-        eng.num_steps += 1
-        eng._last = (len(batch.seqs), batch.num_prefill_tokens, batch.num_decode_tokens)
+        post.count_step(batch)
         outputs = []
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -248,10 +261,7 @@ class OverlapScheduler:
             if seq.is_finished:  # finished when step N's token arrived; its blocks are free already
                 self.num_dropped_tokens += 1
                 continue
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                eng.computed_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            eng.block_manager.commit_full_blocks(seq)  # before the placeholder: digests cover known tokens
+            post.book_computed(seq, n)  # before the placeholder: digests cover known tokens
             if sample_mask[i]:
                 seq.token_ids.append(PLACEHOLDER)
                 step.rows[seq] = r
@@ -259,8 +269,8 @@ class OverlapScheduler:
                 seq.length_capped = (mt is not None and seq.num_output_tokens >= mt) \
                     or seq.num_tokens >= eng.max_model_len
             elif done[i]:  # max_tokens 0: prefill only
-                eng._finish(seq, "length")
-                outputs.append(eng._output(seq))
+                post.finish(seq, "length")
+                outputs.append(post.output(seq))
         if step is not None and step.rows:
             self.pending = step
         return outputs

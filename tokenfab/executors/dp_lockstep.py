@@ -29,9 +29,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from tokenfab.distributed import admission
+from tokenfab.distributed import admission, ep_dispatch, parallel_state
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.executors.tp_protocol import collective_timeout
+from tokenfab.layers.moe import FusedMoE
 
 log = logging.getLogger("tokenfab.dp")
 
@@ -121,11 +124,6 @@ class Lockstep:
 def join_world(device: torch.device) -> tuple[int, int, Any]:
     """Join the replicas' world from the environment dp_client set; EP over all ranks, TP 1.
     Returns (rank, size, the gloo group of the flag all-reduce)."""
-    import torch.distributed as dist
-
-    from tokenfab.distributed import ep_dispatch, parallel_state
-    from tokenfab.executors.tp_executor import collective_timeout
-
     rank, size, master = int(os.environ[RANK_ENV]), int(os.environ[SIZE_ENV]), os.environ[MASTER_ENV]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -141,10 +139,6 @@ def join_world(device: torch.device) -> tuple[int, int, Any]:
 
 
 def make_lockstep(engine: Any, flag_group: Any, rank: int = 0) -> Lockstep:
-    import torch.distributed as dist
-
-    from tokenfab.layers.moe import FusedMoE
-
     moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
     if not moes:
         log.warning("attention-DP + EP on a model without MoE layers: the replicas only step together")

@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from tokenfab.layers.moe import FusedMoE
+
 ACTION_RESET, ACTION_REBALANCE = 1, 2
 _KEYS = ("num_redundant_experts", "step_interval", "window_size")
 
@@ -78,8 +80,6 @@ def redundant_experts(args: Any) -> int:
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    from tokenfab.layers.moe import FusedMoE
-
     return [m for m in model.modules() if isinstance(m, FusedMoE)]
 
 

@@ -31,131 +31,47 @@ import json
 import logging
 import os
 import select
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tokenfab.distributed.parallel_state import destroy_parallel, init_parallel
+from tokenfab.distributed.parallel_state import destroy_parallel
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.runner.device_setup import resolve_device
 from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.executors.eplb_engine import redundant_experts
+from tokenfab.executors.tp_protocol import (
+    CMD_CAPTURE,
+    CMD_EPLB,
+    CMD_RUNNER,
+    CMD_STOP,
+    DTYPES,
+    HEADER_LEN,
+    MODE_EXECUTE,
+    MODE_LOGITS,
+    MODE_SCORING,
+    TPGroup,
+    batch_header,
+    collective_timeout,
+    free_port,
+    join_group,
+    pack_batch,
+    run_forward,
+    send_header,
+)
 from tokenfab.forward_batch import ForwardBatch
+from tokenfab.speculative.config import SpeculativeConfig
 
 log = logging.getLogger("tokenfab.tp")
 
-HEADER_LEN = 16
-CMD_RUNNER, CMD_FORWARD, CMD_CAPTURE, CMD_STOP = 1, 2, 3, 4
-CMD_EPLB = 5  # [EPLB, action]: reset the expert-load counters / rebalance (executors/eplb_engine.py)
-MODE_EXECUTE, MODE_SCORING, MODE_LOGITS = 0, 1, 2
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-_IDLE_TIMEOUT = timedelta(days=365)
-
-
-def collective_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("TOKENFAB_TP_TIMEOUT", "120")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-@dataclass
-class TPGroup:
-    """What every rank holds once the group is up."""
-
-    rank: int
-    world: int
-    device: torch.device
-    cmd_group: Any  # gloo, no deadline: headers (a worker idles here)
-    tp_group: Any  # the model's TP group (NCCL on CUDA): batch payloads
-
-
-def join_group(rank: int, world: int, init_method: str | None, device: torch.device,
-               store: Any = None, expert_parallel: bool = False, num_redundant_experts: int = 0) -> TPGroup:
-    """Join the default group and make the TP groups current (the same calls, in the same order,
-    on every rank). ``store``: a ready ``TCPStore`` instead of ``init_method``; ``expert_parallel``:
-    also the EP group (``--enable-expert-parallel``) with EPLB's redundant experts."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=collective_timeout())
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                    timeout=collective_timeout())
-    state = init_parallel(world)
-    if expert_parallel:
-        from tokenfab.distributed import parallel_state
-
-        parallel_state.init_expert_parallel(True, num_redundant_experts)
-    cmd = dist.new_group(list(range(world)), backend="gloo", timeout=_IDLE_TIMEOUT)
-    return TPGroup(dist.get_rank(), world, device, cmd, state.tp_group)
-
-
-def send_header(group: TPGroup, *ints: int) -> None:
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
-    dist.broadcast(h, 0, group=group.cmd_group)
-
-
-def recv_header(group: TPGroup) -> list[int]:
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(h, 0, group=group.cmd_group)
-    return h.tolist()
-
-
-# ---- the batch on the wire -----------------------------------------------------------------
-def batch_header(mode: int, b: ForwardBatch) -> list[int]:
-    """[FORWARD, mode, T, B, max_blocks, R, P (-1: no prompt rows), max_query_len, max_context_len]"""
-    p = -1 if b.prompt_indices is None else b.prompt_indices.shape[0]
-    return [CMD_FORWARD, mode, b.num_tokens, b.num_seqs, b.block_tables.shape[1], b.logits_indices.shape[0], p,
-            b.max_query_len, b.max_context_len]
-
-
-def pack_batch(b: ForwardBatch) -> torch.Tensor:
-    parts = [b.input_ids, b.positions, b.slot_mapping, b.block_tables.reshape(-1), b.cu_seqlens_q, b.context_lens,
-             b.logits_indices]
-    if b.prompt_indices is not None:
-        parts.append(b.prompt_indices)
-    return torch.cat([t.to(torch.int64) for t in parts])
-
-
-def unpack_batch(header: list[int], payload: torch.Tensor) -> ForwardBatch:
-    t, b, w, r, p, max_q, max_ctx = header[2:9]
-    sizes = [t, t, t, b * w, b + 1, b, r] + ([p] if p >= 0 else [])
-    f = torch.split(payload, sizes)
-    return ForwardBatch(
-        input_ids=f[0], positions=f[1], slot_mapping=f[2], block_tables=f[3].to(torch.int32).view(b, w),
-        cu_seqlens_q=f[4].to(torch.int32), context_lens=f[5].to(torch.int32), logits_indices=f[6],
-        max_query_len=max_q, max_context_len=max_ctx, prompt_indices=f[7] if p >= 0 else None,
-    )
-
-
-def payload_size(header: list[int]) -> int:
-    t, b, w, r, p = header[2:7]
-    return 3 * t + b * w + (b + 1) + b + r + max(p, 0)
-
-
-def run_forward(runner: ModelRunner, mode: int, batch: ForwardBatch) -> Any:
-    if mode == MODE_SCORING:
-        return runner.execute_scoring(batch)
-    if mode == MODE_LOGITS:
-        return runner.forward_logits(batch)
-    return runner.execute(batch)
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------
@@ -164,8 +80,6 @@ def start_tensor_parallel(args: Any) -> TPExecutor:
     tp = args.tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    from tokenfab.speculative.config import SpeculativeConfig
-
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is not None and spec.method not in ("ngram", "suffix"):  # their draft modules run on rank 0 only
         raise ValueError(f"speculative_config: method {spec.method!r} does not run under tensor parallelism yet "
@@ -201,8 +115,6 @@ class TPExecutor:
     def start(cls, args: Any) -> TPExecutor:
         """Join (torchrun) or spawn the TP group of ``args.tensor_parallel_size`` ranks; this
         process is rank 0. Returns once every rank joined."""
-        from tokenfab.engine.runner.device_setup import resolve_device
-
         tp = args.tensor_parallel_size
         device = resolve_device(args.device)
         if launched_by_torchrun():

@@ -12,6 +12,8 @@ a spawned worker also exits when its parent (rank 0) is gone.
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import select
@@ -22,7 +24,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokenfab.executors.tp_executor import (
+from tokenfab.distributed import two_batch
+from tokenfab.engine.runner.device_setup import (
+    maybe_pack_cpu_weights,
+    resolve_device,
+    resolve_dtype,
+    tune_cpu_allocator,
+)
+from tokenfab.engine.runner.model_runner import ModelRunner
+from tokenfab.executors.eplb_engine import apply_action, moe_layers, redundant_experts
+from tokenfab.executors.tp_protocol import (
     CMD_CAPTURE,
     CMD_EPLB,
     CMD_FORWARD,
@@ -30,21 +41,21 @@ from tokenfab.executors.tp_executor import (
     CMD_STOP,
     DTYPES,
     TPGroup,
+    collective_timeout,
     join_group,
     payload_size,
     recv_header,
     run_forward,
     unpack_batch,
 )
+from tokenfab.loader.model_loader import load_model
+from tokenfab.quant.kv_fp8 import configure_kv_cache
 
 log = logging.getLogger("tokenfab.tp_worker")
 
 
 class TPWorker:
     def __init__(self, args: Any, group: TPGroup) -> None:
-        from tokenfab.engine.runner.device_setup import maybe_pack_cpu_weights, resolve_dtype, tune_cpu_allocator
-        from tokenfab.loader.model_loader import load_model
-
         self.args = args
         self.group = group
         self.device = group.device
@@ -55,24 +66,13 @@ class TPWorker:
             tune_cpu_allocator()
         maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         # what LLMEngine does to the model after the load, so both sides run the same forward
-        from tokenfab.distributed import two_batch
-        from tokenfab.quant.kv_fp8 import configure_kv_cache
-
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
-        two_batch.configure_from_args(args)  # --enable-two-batch-overlap: every rank splits alike
-        from tokenfab.quant.kv_fp8 import configure_kv_cache
-
-        configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # as on rank 0
-        from tokenfab.distributed import two_batch
-
         two_batch.configure_from_args(args)  # two-batch overlap as on rank 0 (same collectives, same order)
         self.runner: Any = None
         self.steps = 0
 
     @torch.inference_mode()
     def loop(self) -> None:
-        from tokenfab.engine.runner.model_runner import ModelRunner
-
         while True:
             h = recv_header(self.group)
             cmd = h[0]
@@ -89,8 +89,6 @@ class TPWorker:
             elif cmd == CMD_CAPTURE:
                 self.runner.capture_decode_graphs(h[1], h[2])
             elif cmd == CMD_EPLB:
-                from tokenfab.executors.eplb_engine import apply_action, moe_layers
-
                 apply_action(moe_layers(self.model), h[1])
             elif cmd == CMD_STOP:
                 return
@@ -111,14 +109,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 def run_worker(args: Any, rank: int, world: int, init_method: str | None, local_rank: int = 0,
                store: Any = None) -> int:
     """Join the group as ``rank`` and serve rank 0's commands until STOP; the exit code."""
-    from tokenfab.engine.runner.device_setup import resolve_device
-
     device = resolve_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    from tokenfab.executors.eplb_engine import redundant_experts
-
     group = join_group(rank, world, init_method, device, store=store, expert_parallel=args.enable_expert_parallel,
                        num_redundant_experts=redundant_experts(args))
     try:
@@ -136,12 +130,6 @@ def run_worker(args: Any, rank: int, world: int, init_method: str | None, local_
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tokenfab.executors.tp_worker``: a worker spawned by ``TPExecutor.start`` on this node."""
-    import argparse
-    import json
-
-    from tokenfab.engine.args import EngineArgs
-    from tokenfab.executors.tp_executor import collective_timeout
-
     parser = argparse.ArgumentParser(prog="tokenfab-tp-worker")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
@@ -153,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_exit_with_parent, args=(ns.parent_pid,), daemon=True).start()
     if not torch.cuda.is_available():  # the node's cores are shared by the TP ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ns.world))
-    args = EngineArgs(**json.loads(ns.args_json))
+    # rank 0's EngineArgs, validated there (``dataclasses.asdict``): the worker reads them as attributes
+    args = argparse.Namespace(**json.loads(ns.args_json))
     store = dist.TCPStore("127.0.0.1", ns.port, ns.world, is_master=False, timeout=collective_timeout())
     store.set(f"tokenfab/worker{ns.rank}", "1")
     return run_worker(args, ns.rank, ns.world, None, local_rank=ns.rank, store=store)

@@ -19,19 +19,18 @@ target's greedy token: acceptance 1.0 and k + 1 tokens per verify step.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.device_setup import maybe_pack_cpu_weights
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.model_loader import load_model, text_config
 from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.speculative.draft_batch import TableRows, any_sampled, pick_drafts
-
-if TYPE_CHECKING:
-    from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.speculative.target import TargetEngine
 
 
 def check_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int, where: str) -> None:
@@ -52,10 +51,7 @@ def check_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int, wher
 class DraftModelProposer:
     model_based = True
 
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
-        from tokenfab.engine.runner.device_setup import maybe_pack_cpu_weights
-        from tokenfab.loader.model_loader import load_model, text_config
-
+    def __init__(self, config: SpeculativeConfig, engine: TargetEngine) -> None:
         if not config.model:
             raise ValueError('speculative_config.model is required for method "draft_model" (the draft\'s path)')
         try:

@@ -26,7 +26,6 @@ its request ended right after, holds a stale row there: only the acceptance rate
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,11 +34,12 @@ from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.model_loader import text_config
 from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.speculative.draft_batch import TableRows, any_sampled, pick_drafts
-
-if TYPE_CHECKING:
-    from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.speculative.eagle3 import aux_layer_ids, load_eagle3, target_forward_with_aux
+from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
+from tokenfab.speculative.target import TargetEngine
 
 
 @dataclass
@@ -54,7 +54,7 @@ class FeatureDraftProposer:
     model_based = True
     module: nn.Module
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: TargetEngine) -> None:
         self.engine = engine
         self.runner: ModelRunner | None = None
         self._pending: dict[str, _Pending] = {}
@@ -187,10 +187,7 @@ class FeatureDraftProposer:
 
 
 class Eagle3Proposer(FeatureDraftProposer):
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
-        from tokenfab.loader.model_loader import text_config
-        from tokenfab.speculative.eagle3 import aux_layer_ids, load_eagle3
-
+    def __init__(self, config: SpeculativeConfig, engine: TargetEngine) -> None:
         super().__init__(engine)
         if not config.model:
             raise ValueError('speculative_config.model is required for method "eagle3" (the head\'s folder)')
@@ -209,8 +206,6 @@ class Eagle3Proposer(FeatureDraftProposer):
         self.layer_ids = aux_layer_ids(text.num_hidden_layers, self.head.config)
 
     def target_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        from tokenfab.speculative.eagle3 import target_forward_with_aux
-
         return target_forward_with_aux(self.engine.model, fb, self.layer_ids)
 
     def head_step(self, ids, feats, batch):
@@ -227,9 +222,7 @@ class Eagle3Proposer(FeatureDraftProposer):
 
 
 class MtpProposer(FeatureDraftProposer):
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine) -> None:
-        from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
-
+    def __init__(self, config: SpeculativeConfig, engine: TargetEngine) -> None:
         super().__init__(engine)
         if config.model:
             raise ValueError('speculative_config.model must be empty for method "mtp": the MTP layer comes from '

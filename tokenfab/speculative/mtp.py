@@ -33,13 +33,15 @@ import torch
 from torch import nn
 
 from tokenfab.forward_batch import ForwardBatch
+from tokenfab.layers.dsa import LightningIndexer, SparseLatentAttention
 from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.moe import GatedMLP, load_expert_checkpoint_tensor
 from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.weights import load_weights
-from tokenfab.models.deepseek_v3 import make_deepseek_moe, make_mla
+from tokenfab.models.deepseek_v3 import make_deepseek_moe, make_mla, mla_softmax_scale
 from tokenfab.models.llama import DecoderLayer
 
 
@@ -101,10 +103,6 @@ def _attention(config: Any, max_position: int) -> nn.Module:
     its own lightning indexer, as the target's "full" layers have (GLM's indexer rope is interleaved)."""
     if not getattr(config, "index_topk", None):
         return make_mla(config, max_position)
-    from tokenfab.layers.dsa import LightningIndexer, SparseLatentAttention
-    from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
-    from tokenfab.models.deepseek_v3 import mla_softmax_scale
-
     params, rope_dim = rope_parameters(config), config.qk_rope_head_dim
     interleaved = getattr(config, "model_type", "") == "glm_moe_dsa"
     rotary = RotaryEmbedding(rope_dim, max_position, params, config.max_position_embeddings, is_neox=not interleaved)

@@ -40,18 +40,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from tokenfab.engine.requests.errors import raise_if_fatal
 from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
+from tokenfab.engine.runner.isolation import isolated_sample
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.speculative.accept import accept_tokens
 from tokenfab.speculative.config import SpeculativeConfig
+from tokenfab.speculative.draft_model import DraftModelProposer
+from tokenfab.speculative.feature_draft import Eagle3Proposer, MtpProposer
+from tokenfab.speculative.ngram import NgramProposer
 from tokenfab.speculative.proposer import Proposer
-
-if TYPE_CHECKING:
-    from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.speculative.suffix import SuffixProposer
+from tokenfab.speculative.target import TargetEngine
 
 log = logging.getLogger("tokenfab")
 
@@ -60,23 +63,15 @@ _PRIOR = (1.0, 2.0)  # (accepted, trials) pseudo-counts: 0.5 before anything is 
 _COST_PER_SEQ = 0.05  # a draft must be accepted with probability >= this x batch size to be proposed
 
 
-def make_proposer(config: SpeculativeConfig, engine: LLMEngine | None = None) -> Proposer:
+def make_proposer(config: SpeculativeConfig, engine: TargetEngine | None = None) -> Proposer:
     if config.method == "ngram":
-        from tokenfab.speculative.ngram import NgramProposer
-
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
-        from tokenfab.speculative import suffix
-
-        return suffix.SuffixProposer(config)
+        return SuffixProposer(config)
     if engine is None:
         raise ValueError(f"speculative_config.method {config.method!r} needs the engine's target model")
     if config.method == "draft_model":
-        from tokenfab.speculative.draft_model import DraftModelProposer
-
         return DraftModelProposer(config, engine)
-    from tokenfab.speculative.feature_draft import Eagle3Proposer, MtpProposer
-
     return (Eagle3Proposer if config.method == "eagle3" else MtpProposer)(config, engine)
 
 
@@ -95,7 +90,7 @@ def eligible(seq: Sequence) -> bool:
 class SpecDecoder:
     """Owns the proposer, the per-request acceptance estimates and the speculation counters."""
 
-    def __init__(self, config: SpeculativeConfig, engine: LLMEngine, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, engine: TargetEngine, proposer: Proposer | None = None) -> None:
         self.config = config
         self.engine = engine
         self.proposer: Proposer = proposer or make_proposer(config, engine)
@@ -206,7 +201,7 @@ class SpecDecoder:
             with batch_invariant_mode(True):  # a self-draft's rows round as the target's decode rows do
                 drafts, qs = self.proposer.draft(seqs, ks)
         except Exception as e:  # a draft is only a guess: verify placeholders (the last token) instead
-            self.engine._raise_if_fatal(e)
+            raise_if_fatal(e)
             log.warning("drafting for %d sequences failed (%r); their drafts are placeholders", len(seqs), e)
             drafts, qs = [[s.token_ids[-1]] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
         for s, k, d, q in zip(seqs, ks, drafts, qs):
@@ -221,7 +216,7 @@ class SpecDecoder:
         self.draft_seconds += time.perf_counter() - t0
 
     def execute(self, runner, fb, seqs: list[Sequence], counts: list[int]):
-        """The target's forward for ``LLMEngine._forward``: (logits, prompt hidden states)."""
+        """The target's forward for ``LLMEngine._execute``: (logits, prompt hidden states)."""
         if not self.model_based:
             return runner.execute_scoring(fb)
         before = getattr(self.proposer, "observe_seconds", 0.0)
@@ -248,7 +243,8 @@ class SpecDecoder:
         out: list[list[tuple] | str] = [[] for _ in seqs]
         if plain:
             rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-            for i, res in zip(plain, eng._sample([seqs[i] for i in plain], logits.index_select(0, rows))):
+            plain_rows = isolated_sample(logits.index_select(0, rows), [seqs[i] for i in plain], eng.eos_token_ids)
+            for i, res in zip(plain, plain_rows):
                 out[i] = res if isinstance(res, str) else [res]
         if spec:
             rows = torch.tensor([starts[i] + j for i in spec for j in range(ks[i] + 1)], device=logits.device)
@@ -265,7 +261,7 @@ class SpecDecoder:
         try:
             results: list[list[int] | str] = list(accept_tokens(logits, seqs, drafts, eos, probs))
         except Exception as e:
-            self.engine._raise_if_fatal(e)
+            raise_if_fatal(e)
             log.warning("accepting drafts of %d sequences failed (%r); one by one", len(seqs), e)
             results, r = [], 0
             for i, (s, d) in enumerate(zip(seqs, drafts)):
@@ -273,7 +269,7 @@ class SpecDecoder:
                     q = None if probs is None else probs[r - i : r - i + len(d)]
                     results.append(accept_tokens(logits[r : r + len(d) + 1], [s], [d], eos, q)[0])
                 except Exception as e1:
-                    self.engine._raise_if_fatal(e1)
+                    raise_if_fatal(e1)
                     results.append(f"accepting draft tokens failed for this request: {e1}")
                 r += len(d) + 1
         for s, d, res in zip(seqs, drafts, results):

@@ -27,7 +27,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from tokenfab.engine.core.request_stream import Choice, PromptType, RequestStream, StreamChunk, choice_params, deliver
+from tokenfab.engine.core.request_stream import (
+    Choice,
+    PromptType,
+    RequestStream,
+    StreamChunk,
+    deliver,
+    make_choices,
+    next_chunk,
+)
 from tokenfab.engine.requests.errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
@@ -181,17 +189,9 @@ class AsyncEngine:
             self.start()
         loop = asyncio.get_running_loop()
         request_id = request_id or self._new_id()
-        n = max(1, int(params.n))
-        total = n * len(prompts)
-        stream = RequestStream(self, request_id, total, loop, arrival_time)
-        subs: list[Choice] = []
-        for p_idx, prompt in enumerate(prompts):
-            for i in range(n):
-                index = p_idx * n + i
-                sub_params = choice_params(params, i, clone_constraint=index > 0)
-                engine_id = request_id if total == 1 else f"{request_id}-{index}"
-                subs.append(Choice(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
-        stream.subs = subs
+        total = max(1, int(params.n)) * len(prompts)
+        stream = RequestStream(self._abort_stream, request_id, total, loop, arrival_time)
+        subs = stream.subs = make_choices(stream, prompts, params, priority, cache_salt)
         with self._cv:
             if self._error is not None:  # died while this request was being built
                 raise EngineDeadError(f"engine stopped: {self._error}")
@@ -353,40 +353,14 @@ class AsyncEngine:
                 error = RequestFailedError(getattr(out, "error", None) or "the request failed in the engine")
                 by_loop.setdefault(sub.stream._loop, []).append((sub.stream, error))
                 continue
-            delta_ids = list(co.delta_token_ids)
-            if delta_ids and sub.first_token_time is None:
-                sub.first_token_time = now
-                if self.on_first_token is not None:
-                    try:
-                        self.on_first_token(now - sub.stream.arrival_time)
-                    except Exception:  # pragma: no cover
-                        logger.exception("on_first_token callback failed")
-            sub.num_tokens += len(delta_ids)
-            delta_lp = None
-            if co.logprobs is not None and delta_ids:
-                delta_lp = list(co.logprobs[-len(delta_ids):])
-            finished = out.finished or co.finish_reason is not None
-            chunk = StreamChunk(
-                index=sub.index,
-                prompt_index=sub.prompt_index,
-                delta_text=co.delta_text,
-                delta_token_ids=delta_ids,
-                delta_logprobs=delta_lp,
-                num_prompt_tokens=len(out.prompt_token_ids),
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                arrival_time=sub.stream.arrival_time,
-                first_token_time=sub.first_token_time,
-            )
-            plp = getattr(out, "prompt_logprobs", None)
-            if plp is not None and not sub.sent_prompt_logprobs:
-                chunk.prompt_logprobs = plp
-                sub.sent_prompt_logprobs = True
-            if finished:
-                chunk.finish_reason = co.finish_reason or "stop"
-                chunk.stop_reason = co.stop_reason
-                chunk.text = co.text
-                chunk.token_ids = list(co.token_ids)
-                chunk.finished_time = now
+            first = sub.first_token_time is None
+            chunk = next_chunk(sub, out, now)
+            if first and sub.first_token_time is not None and self.on_first_token is not None:
+                try:
+                    self.on_first_token(now - sub.stream.arrival_time)
+                except Exception:  # pragma: no cover
+                    logger.exception("on_first_token callback failed")
+            if chunk.finished:
                 self._subs.pop(out.request_id, None)
                 if self.on_finished is not None:
                     try:

@@ -44,11 +44,16 @@ import zmq
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
 from tokenfab.engine.core.process import EXIT_TP_WORKER_DIED, pid_alive, pid_fd
-from tokenfab.engine.llm_engine import EngineStats, LLMEngine
+from tokenfab.engine.core.wakeup import WakeupPipe
+from tokenfab.engine.intake import RequestLimits
 from tokenfab.engine.output_processor import OutputProcessor
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.loader.bundled import bundled_model_path
+from tokenfab.loader.gguf import load_gguf_tokenizer
+from tokenfab.loader.model_loader import _hf_tokenizer
 
 log = logging.getLogger("tokenfab.core_client")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
@@ -71,13 +76,8 @@ def hang_timeout_from_env() -> float:
 
 def load_tokenizer(model: str | None) -> Any:
     """The tokenizer of ``model`` (as ``load_model`` finds it), without the weights."""
-    from tokenfab.loader.bundled import bundled_model_path
-    from tokenfab.loader.model_loader import _hf_tokenizer
-
     path = Path(model) if model is not None else bundled_model_path()
     if path.is_file() and path.suffix == ".gguf":
-        from tokenfab.loader.gguf import load_gguf_tokenizer
-
         return load_gguf_tokenizer(path)
     return _hf_tokenizer(path)
 
@@ -126,9 +126,7 @@ class EngineCoreClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"fe-{os.getpid()}-{id(self):x}".encode())
         self.sock.connect(address)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakeupPipe()  # new work for a waiting step()
         self._pidfd = pid_fd(core_pid)
         info = self._handshake(ready_timeout)
         self.info = info
@@ -138,6 +136,7 @@ class EngineCoreClient:
         self.eos_token_ids: list[int] = info["eos_token_ids"]
         self.kv_cache_tokens: int = info["kv_cache_tokens"]
         self.scheduling_policy: str = info["scheduling_policy"]
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, self.kv_cache_tokens)
         self.processor = OutputProcessor(tokenizer, self.eos_token_ids)
         self._inflight: set[str] = set()
         self._stats: dict[str, Any] | None = info.get("stats")
@@ -146,8 +145,8 @@ class EngineCoreClient:
         self._adds_sent = self._adds_acked = self._aborts_sent = self._aborts_acked = 0
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self._stop_r, self._stop_w = os.pipe()
+        self._poller.register(self._wake.fd, zmq.POLLIN)
+        self._stop = WakeupPipe()  # close() ends the watchdog
         self._last_heard = time.monotonic()  # the last frame from the core (hang detection)
         self._watchdog = threading.Thread(target=self._watch, name="tokenfab-core-watchdog", daemon=True)
         self._watchdog.start()
@@ -197,9 +196,9 @@ class EngineCoreClient:
         if self.hang_timeout > 0:
             tick = min(tick or 1.0, self.hang_timeout / 4)
         while self._dead is None:
-            fds = [self._stop_r] + ([self._pidfd] if self._pidfd is not None else [])
+            fds = [self._stop.fd] + ([self._pidfd] if self._pidfd is not None else [])
             ready = select.select(fds, [], [], tick)[0]
-            if self._stop_r in ready or self._closing:
+            if self._stop.fd in ready or self._closing:
                 return
             if self._hung():
                 return
@@ -256,15 +255,16 @@ class EngineCoreClient:
 
     def wakeup(self) -> None:
         """Interrupt a ``step()`` waiting for outputs (any thread)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wake.set()
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable while a ``wakeup()`` is pending (``DPClient`` polls it beside ``sock``)."""
+        return self._wake.fd
 
     # ---- the LLMEngine face ----
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        # the very checks LLMEngine runs: they read vocab_size, max_model_len and kv_cache_tokens only
-        LLMEngine.check_request(self, prompt_token_ids, params)  # type: ignore[arg-type]
+        self.limits.check(prompt_token_ids, params)  # the very checks LLMEngine runs (engine/intake.py)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
@@ -311,12 +311,8 @@ class EngineCoreClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         events = dict(self._poller.poll(timeout_ms))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        if self._wake.fd in events:
+            self._wake.clear()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         outputs: list[RequestOutput] = []
@@ -382,18 +378,16 @@ class EngineCoreClient:
                     self.proc.kill()
                     self.proc.wait()
         self._dead = self._dead or "the engine core was shut down"
-        try:
-            os.write(self._stop_w, b"x")
-        except OSError:
-            pass
+        self._stop.set()
         self._watchdog.join(2)
         self.sock.close(0)
         self._ctx.term()
-        for fd in (self._wake_r, self._wake_w, self._stop_r, self._stop_w, self._pidfd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self._wake.close()
+        self._stop.close()
+        if self._pidfd is not None:
+            try:
+                os.close(self._pidfd)
+            except OSError:
+                pass
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)

@@ -36,10 +36,13 @@ import zmq
 
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core.client import CoreLaunch, EngineCoreClient, load_tokenizer
+from tokenfab.engine.core.wakeup import WakeupPipe
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.executors import dp_lockstep
+from tokenfab.executors.tp_protocol import free_port
 
 log = logging.getLogger("tokenfab.dp")
 
@@ -133,9 +136,7 @@ class DPClient:
         self.dead: list[str | None] = [None] * len(clients)
         self.on_dead: Any = None
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakeupPipe()  # a replica died, or new work: interrupt a waiting step()
         first = clients[0]
         self.tokenizer = first.tokenizer
         self.model_name = first.model_name
@@ -151,9 +152,6 @@ class DPClient:
     @classmethod
     def spawn(cls, args: EngineArgs, log_level: str = "info") -> DPClient:
         """Start ``args.data_parallel_size`` engine cores at once, then connect to each."""
-        from tokenfab.executors import dp_lockstep
-        from tokenfab.executors.tp_executor import free_port
-
         n = args.data_parallel_size
         replica_args = dataclasses.replace(args, data_parallel_size=1)
         lockstep = dp_lockstep.dp_ep_enabled(args)
@@ -206,10 +204,7 @@ class DPClient:
         return [i for i, d in enumerate(self.dead) if d is None]
 
     def wakeup(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wake.set()
 
     # ---- the LLMEngine face ----
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -255,16 +250,12 @@ class DPClient:
         self._fail_dead_replicas(outputs)
         if not outputs:
             poller = zmq.Poller()
-            poller.register(self._wake_r, zmq.POLLIN)
+            poller.register(self._wake.fd, zmq.POLLIN)
             for i in alive:
                 poller.register(self.clients[i].sock, zmq.POLLIN)
-                poller.register(self.clients[i]._wake_r, zmq.POLLIN)
+                poller.register(self.clients[i].wake_fd, zmq.POLLIN)
             poller.poll(timeout_ms)
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
+            self._wake.clear()
         for i in alive:
             try:
                 outs = self.clients[i].step(0)
@@ -296,8 +287,4 @@ class DPClient:
     def close(self, timeout: float = 10.0) -> None:
         for c in self.clients:
             c.close(timeout)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()

@@ -24,7 +24,6 @@ from typing import Any
 
 import msgpack
 
-from tokenfab.engine.requests.outputs import Logprob
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
 VERSION = 1
@@ -140,14 +139,3 @@ def params_from_wire(d: dict[str, Any]) -> SamplingParams:
         if d.get(name) is not None and not isinstance(d[name], list):
             raise ValueError(f"{name} must be a list")
     return SamplingParams(**d)
-
-
-# ---- logprobs ---------------------------------------------------------------------------------
-def logprobs_to_wire(entry: dict[int, Logprob]) -> list[list[Any]]:
-    """One position's logprob dict (insertion order kept) as [ids, logprobs, ranks]."""
-    return [list(entry), [float(v.logprob) for v in entry.values()], [int(v.rank) for v in entry.values()]]
-
-
-def logprobs_from_wire(triple: list[list[Any]], decode_one: Any) -> dict[int, Logprob]:
-    ids, lps, ranks = triple
-    return {t: Logprob(float(v), r, decode_one(t)) for t, v, r in zip(ids, lps, ranks)}

@@ -35,7 +35,12 @@ import zmq
 
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
+from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.outputs import logprobs_to_wire
+from tokenfab.engine.runner.device_setup import resolve_device
+from tokenfab.engine.runner.structured import StructuredOutputCompiler
+from tokenfab.executors import dp_lockstep
 
 log = logging.getLogger("tokenfab.core")
 EXIT_TP_WORKER_DIED = 4  # the exit code when a tensor-parallel worker died (the client names it)
@@ -109,9 +114,7 @@ class EngineCore:
             poller.register(tp.death_fd, zmq.POLLIN)
             tp.on_death.append(_exit_soon)
         if self.lockstep is not None:
-            from tokenfab.executors.dp_lockstep import run_lockstep
-
-            return run_lockstep(self, self.lockstep, poller)
+            return dp_lockstep.run_lockstep(self, self.lockstep, poller)
         while not self._stop:
             busy = self.engine.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else 1000))
@@ -200,8 +203,6 @@ class EngineCore:
         self._route[eid] = (ident, rid)
 
     def _constraint(self, spec: str) -> Any:
-        from tokenfab.engine.runner.structured import StructuredOutputCompiler
-
         if self._structured is None:
             self._structured = StructuredOutputCompiler(self.engine.tokenizer, self.engine.vocab_size)
         return self._structured.from_response_format(json.loads(spec))
@@ -249,11 +250,11 @@ class EngineCore:
         new = [int(t) for t in co.delta_token_ids]
         lps = None
         if co.logprobs is not None:
-            lps = [ipc.logprobs_to_wire(e) for e in co.logprobs[len(co.logprobs) - len(new):]] if new else []
+            lps = [logprobs_to_wire(e) for e in co.logprobs[len(co.logprobs) - len(new):]] if new else []
         plp = None
         if out.prompt_logprobs is not None and out.request_id not in self._sent_prompt_lp \
                 and (new or out.finished):
-            plp = [None if e is None else ipc.logprobs_to_wire(e) for e in out.prompt_logprobs]
+            plp = [None if e is None else logprobs_to_wire(e) for e in out.prompt_logprobs]
             self._sent_prompt_lp.add(out.request_id)
         stop = co.stop_reason if co.stop_reason is None or isinstance(co.stop_reason, (int, str)) else None
         return [rid, new, lps, co.finish_reason, stop, out.error, int(out.num_cached_tokens or 0), plp]
@@ -303,15 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     sock.bind(ns.address)
-    from tokenfab.engine.llm_engine import LLMEngine
-    from tokenfab.executors import dp_lockstep
-
     flag_group, dp_rank = None, 0
     try:
         args = EngineArgs(**{**json.loads(ns.args_json), "detokenize": False})
         if dp_lockstep.MASTER_ENV in os.environ:  # attention-DP + EP: the replicas form one world first
-            from tokenfab.engine.runner.device_setup import resolve_device
-
             dp_rank, _, flag_group = dp_lockstep.join_world(resolve_device(args.device))
         engine = LLMEngine(args)
     except Exception as e:

@@ -11,15 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from tokenfab.engine.requests.outputs import Logprob
+from tokenfab.engine.requests.outputs import Logprob, RequestOutput
 from tokenfab.engine.requests.sampling_params import SEED_MAX, SamplingParams
-
-if TYPE_CHECKING:
-    from tokenfab.engine.core.async_engine import AsyncEngine
 
 PromptType = str | list[int]
 
@@ -71,9 +67,9 @@ class Choice:
 class RequestStream:
     """The merged output stream of one API request: an async iterator of ``StreamChunk``."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num_choices: int,
+    def __init__(self, on_abort: Callable[[RequestStream], None], request_id: str, num_choices: int,
                  loop: asyncio.AbstractEventLoop, arrival_time: float | None = None) -> None:
-        self._engine = engine
+        self._on_abort = on_abort  # hands the abort to the engine thread (``AsyncEngine``)
         self.request_id = request_id
         self.num_choices = num_choices
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -127,14 +123,65 @@ class RequestStream:
         consumer still iterating gets it raised instead of waiting for chunks that never come."""
         if not self.finished and not self.aborted:
             self.aborted = True
-            self._engine._abort_stream(self)
+            self._on_abort(self)
             if error is not None:
                 self._queue.put_nowait(error)
+
+
+def next_chunk(sub: Choice, out: RequestOutput, now: float) -> StreamChunk:
+    """The chunk of one engine output for its choice ``sub`` (whose token count and first-token
+    time it updates); the finishing chunk carries the whole output."""
+    co = out.outputs[0]
+    delta_ids = list(co.delta_token_ids)
+    if delta_ids and sub.first_token_time is None:
+        sub.first_token_time = now
+    sub.num_tokens += len(delta_ids)
+    delta_lp = None
+    if co.logprobs is not None and delta_ids:
+        delta_lp = list(co.logprobs[-len(delta_ids):])
+    chunk = StreamChunk(
+        index=sub.index,
+        prompt_index=sub.prompt_index,
+        delta_text=co.delta_text,
+        delta_token_ids=delta_ids,
+        delta_logprobs=delta_lp,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=int(out.num_cached_tokens or 0),
+        arrival_time=sub.stream.arrival_time,
+        first_token_time=sub.first_token_time,
+    )
+    plp = getattr(out, "prompt_logprobs", None)
+    if plp is not None and not sub.sent_prompt_logprobs:
+        chunk.prompt_logprobs = plp
+        sub.sent_prompt_logprobs = True
+    if out.finished or co.finish_reason is not None:
+        chunk.finish_reason = co.finish_reason or "stop"
+        chunk.stop_reason = co.stop_reason
+        chunk.text = co.text
+        chunk.token_ids = list(co.token_ids)
+        chunk.finished_time = now
+    return chunk
 
 
 def deliver(items: list[tuple[RequestStream, StreamChunk | BaseException]]) -> None:
     for stream, chunk in items:
         stream._put(chunk)
+
+
+def make_choices(stream: RequestStream, prompts: list[PromptType], params: SamplingParams, priority: int,
+                 cache_salt: str | None) -> list[Choice]:
+    """One ``Choice`` per prompt and per ``n``: choice index = prompt_index * n + i; engine request id
+    ``{id}-{index}`` (the stream's id alone when there is one choice)."""
+    n = max(1, int(params.n))
+    total = n * len(prompts)
+    subs: list[Choice] = []
+    for p_idx, prompt in enumerate(prompts):
+        for i in range(n):
+            index = p_idx * n + i
+            sub_params = choice_params(params, i, clone_constraint=index > 0)
+            engine_id = stream.request_id if total == 1 else f"{stream.request_id}-{index}"
+            subs.append(Choice(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
+    return subs
 
 
 def choice_params(params: SamplingParams, i: int, clone_constraint: bool) -> SamplingParams:

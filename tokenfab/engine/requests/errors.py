@@ -24,3 +24,12 @@ def is_device_fatal(error: BaseException) -> bool:
     if accel is not None and isinstance(error, accel):
         return True
     return "CUDA error" in str(error) or "CUBLAS_STATUS" in str(error)
+
+
+def raise_if_fatal(error: BaseException) -> None:
+    """Re-raise ``error`` as ``EngineDeadError`` when the engine cannot go on (it is one already, or
+    the device failed); return when it belongs to the requests at hand (the caller fails only them)."""
+    if isinstance(error, EngineDeadError):
+        raise error
+    if is_device_fatal(error):
+        raise EngineDeadError(f"the device failed, the engine cannot go on: {error}") from error

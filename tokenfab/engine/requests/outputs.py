@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -10,6 +12,18 @@ class Logprob:
     logprob: float
     rank: int  # 1 = the most likely token
     decoded_token: str
+
+
+def logprobs_to_wire(entry: dict[int, Logprob]) -> list[list[Any]]:
+    """One position's logprob dict (insertion order kept) as [ids, logprobs, ranks] (the engine-core
+    IPC form, ``engine/core/ipc.py``)."""
+    return [list(entry), [float(v.logprob) for v in entry.values()], [int(v.rank) for v in entry.values()]]
+
+
+def logprobs_from_wire(triple: list[list[Any]], decode_one: Callable[[int], str]) -> dict[int, Logprob]:
+    """``logprobs_to_wire``'s inverse; ``decode_one`` gives each token's text."""
+    ids, lps, ranks = triple
+    return {t: Logprob(float(v), r, decode_one(t)) for t, v, r in zip(ids, lps, ranks)}
 
 
 @dataclass

@@ -7,7 +7,10 @@ import os
 
 import torch
 
+from tokenfab.engine.runner.model_runner import kv_bytes_per_token
+from tokenfab.layers.ggml_linear import packed_bytes
 from tokenfab.layers.linear import prepack_cpu_linears
+from tokenfab.quant.memory import describe_report, quantized_bytes, weight_bytes_report
 
 log = logging.getLogger("tokenfab")
 
@@ -79,10 +82,6 @@ def maybe_pack_cpu_weights(model: torch.nn.Module, device: torch.device, enabled
 def memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: int = 0) -> dict[str, float]:
     """Weight bytes per parameter (packed GGUF rows as stored, tied tensors once; ``copy_bytes``:
     the MKL/oneDNN packed copies, on top) and KV cache bytes per token, as served."""
-    from tokenfab.engine.runner.model_runner import kv_bytes_per_token
-    from tokenfab.layers.ggml_linear import packed_bytes
-    from tokenfab.quant.memory import quantized_bytes
-
     nbytes, numel = packed_bytes(model)
     qbytes, qnumel = quantized_bytes(model)  # FP8 / INT4 / FP4 layers (tokenfab.quant), as stored
     nbytes, numel = nbytes + qbytes, numel + qnumel
@@ -103,8 +102,6 @@ def log_memory_figures(model: torch.nn.Module, dtype: torch.dtype, copy_bytes: i
         f" (incl. {copy_bytes / 2**20:.0f} MiB of packed GEMM copies)" if copy_bytes else "",
         figures["kv_bytes_per_token"],
     )
-    from tokenfab.quant.memory import describe_report, weight_bytes_report
-
     if getattr(model, "quant_method", None) is not None:
         log.info("memory: quantized layers: %s", describe_report(weight_bytes_report(model)))
     return figures

@@ -4,17 +4,28 @@ and the measured activation peak, or the CPU's --kv-cache-memory) over the bytes
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.runner.device_setup import default_cpu_kv_bytes
 from tokenfab.engine.runner.model_runner import ModelRunner
 
 
-def kv_cache_blocks(args: EngineArgs, bytes_per_token: int, device: torch.device, max_model_len: int,
+class KVBudgetArgs(Protocol):
+    """The engine arguments the budget reads (``EngineArgs`` has them)."""
+
+    num_kv_blocks: int | None
+    block_size: int
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def kv_cache_blocks(args: KVBudgetArgs, bytes_per_token: int, device: torch.device, max_model_len: int,
                     make_runner: Callable[[int, int], ModelRunner]) -> int:
     """Blocks that fit the budget, at most what ``max_num_seqs`` full-length sequences use; a clear
     error when not even one sequence of ``max_model_len`` fits. ``bytes_per_token``: every cache the
@@ -39,7 +50,7 @@ def kv_cache_blocks(args: EngineArgs, bytes_per_token: int, device: torch.device
     return min(blocks, per_seq * max(args.max_num_seqs, 1))
 
 
-def cuda_kv_budget(args: EngineArgs, device: torch.device, max_model_len: int,
+def cuda_kv_budget(args: KVBudgetArgs, device: torch.device, max_model_len: int,
                    make_runner: Callable[[int, int], ModelRunner]) -> int:
     """A fraction of the GPU's memory, less weights and the measured activation peak of a forward
     over the largest chunk (run once against a small throwaway cache)."""
