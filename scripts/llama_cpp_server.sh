@@ -4,6 +4,9 @@
 #   scripts/llama_cpp_server.sh build            build llama-cpp-python[server] into a side venv
 #   scripts/llama_cpp_server.sh serve [PORT]     serve the bundled GGUF on 127.0.0.1:PORT (default 8081)
 #   scripts/llama_cpp_server.sh info             print the peer's build settings (JSON), for result files
+#   scripts/llama_cpp_server.sh build-tools      build llama.cpp's own llama-server, llama-bench and
+#                                                llama-batched-bench into $LLAMA_CPP_TOOLS (issue 26)
+#   scripts/llama_cpp_server.sh tools-info       print the tools' build settings (JSON)
 #
 # The side venv is $LLAMA_CPP_VENV (default .venv-llamacpp, git-ignored). The build compiles
 # llama.cpp from the PyPI sdist (about 6 minutes on 2 cores) with the CPU features named one by one and
@@ -19,6 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${LLAMA_CPP_VENV:-.venv-llamacpp}"
 VERSION="${LLAMA_CPP_VERSION:-0.3.36}"
 THREADS="${LLAMA_CPP_THREADS:-2}"
+TOOLS="${LLAMA_CPP_TOOLS:-.llama-cpp-tools}"
 N_CTX="${LLAMA_CPP_N_CTX:-2048}"
 
 has_flag() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1"; }
@@ -39,7 +43,63 @@ bundled_gguf() {
     .venv/bin/python -c 'from tokenfab.loader.bundled import bundled_model_path; print(bundled_model_path())'
 }
 
+# The llama.cpp tree vendored in the llama-cpp-python sdist (vendor/llama.cpp): the same source as
+# the Python peer, built with the same flags, as plain cmake targets (no Python, no prebuilt binary).
+build_tools() {
+    mkdir -p "$TOOLS"
+    local tools_abs sdist src args
+    tools_abs="$(cd "$TOOLS" && pwd)"
+    sdist="$tools_abs/llama_cpp_python-$VERSION.tar.gz"
+    if [ ! -f "$sdist" ]; then
+        .venv/bin/python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tools_abs"
+    fi
+    src="$tools_abs/src"
+    if [ ! -f "$src/CMakeLists.txt" ]; then
+        rm -rf "$src" && mkdir -p "$src"
+        tar -xzf "$sdist" -C "$src" --strip-components=3 "llama_cpp_python-$VERSION/vendor/llama.cpp"
+    fi
+    args="$(cmake_args) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON"
+    echo "building llama.cpp tools (llama-cpp-python==$VERSION vendor/llama.cpp) with: $args"
+    # shellcheck disable=SC2086
+    cmake -S "$src" -B "$tools_abs/build" $args
+    mkdir -p "$tools_abs/bin"
+    echo "$args" >"$tools_abs/cmake_args.txt"
+    echo "$VERSION" >"$tools_abs/llama_cpp_python_version.txt"
+    # The benchmark tools first (usable while the server still compiles), then the server.
+    local t
+    for t in llama-bench llama-batched-bench llama-server; do
+        nice -n 10 cmake --build "$tools_abs/build" --config Release -j "${CMAKE_BUILD_PARALLEL_LEVEL:-2}" --target "$t"
+        cp "$tools_abs/build/bin/$t" "$tools_abs/bin/$t"
+    done
+    "$tools_abs/bin/llama-server" --version 2>&1 | tail -n 2
+}
+
+tools_info() {
+    [ -x "$TOOLS/bin/llama-bench" ] || { echo "no $TOOLS/bin: run '$0 build-tools' first" >&2; exit 2; }
+    .venv/bin/python - "$TOOLS" <<'PY'
+import json, subprocess, sys
+from pathlib import Path
+tools = Path(sys.argv[1]).resolve()
+out = subprocess.run([str(tools / "bin" / "llama-server"), "--version"], capture_output=True, text=True)
+def read(name):
+    path = tools / name
+    return path.read_text().strip() if path.exists() else None
+print(json.dumps({
+    "name": "llama.cpp tools (llama-server, llama-bench, llama-batched-bench)",
+    "source": f"llama-cpp-python=={read('llama_cpp_python_version.txt')} sdist, vendor/llama.cpp",
+    "version": " / ".join((out.stdout + out.stderr).strip().splitlines()[-2:]),
+    "cmake_args": read("cmake_args.txt"), "bin": str(tools / "bin"),
+}))
+PY
+}
+
 case "${1:-}" in
+build-tools)
+    build_tools
+    ;;
+tools-info)
+    tools_info
+    ;;
 build)
     if [ ! -x "$VENV/bin/python" ]; then
         python3 -m venv "$VENV"
@@ -83,7 +143,7 @@ print(json.dumps({
 EOF
     ;;
 *)
-    sed -n '2,7p' "$0" >&2
+    sed -n '2,10p' "$0" >&2
     exit 2
     ;;
 esac

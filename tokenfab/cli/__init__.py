@@ -27,6 +27,7 @@ BENCH_COMMANDS = {
     "spec": ("tokenfab.bench.spec", "speculative decoding on vs off: tokens/s, acceptance (bundled model)"),
     "overlap": ("tokenfab.bench.overlap", "device time between decode steps with vs without --async-scheduling"),
     "comm": ("tokenfab.bench.comm", "TP bytes/token on gloo ranks vs tokenfab plan; 1 vs N ranks"),
+    "cpu": ("tokenfab.bench.cpu", "bundled GGUF vs llama.cpp's llama-bench/batched-bench, transformers, roofline"),
 }
 
 
