@@ -81,6 +81,8 @@ def test_kv_bytes_per_token(config, values, tmp_path):
 def test_kv_per_rank_replication(tmp_path):
     llama = spec_of(LLAMA_70B, tmp_path, "l")
     per_rank = {p.tp: p.kv_bytes_per_token for p in plan_model(llama, request(16, context=1024)).layouts}
+    assert set(per_rank) == {16}  # on two nodes only TP spans them (DP replicas stay on one node)
+    per_rank.update({p.tp: p.kv_bytes_per_token for p in plan_model(llama, request(8, context=1024)).layouts})
     assert per_rank[4] == 2 * 2 * 128 * 80 * 2   # 8 KV heads over 4 ranks
     assert per_rank[16] == 2 * 1 * 128 * 80 * 2  # 16 > 8 KV heads: one (replicated) head per rank
     mla = plan_model(spec_of(DEEPSEEK_V3, tmp_path, "d"), request(16, context=1024))
@@ -173,7 +175,9 @@ def test_unsupported_quantization_is_a_clear_error(tmp_path):
 def test_layout_that_does_not_fit_is_excluded(tmp_path):
     plan = plan_model(spec_of(DEEPSEEK_V3, tmp_path), request(16, context=8192))
     excluded = {p.layout: p.reason for p in plan.excluded}
-    assert "TP1 DP16" in excluded and "exceed" in excluded["TP1 DP16"]  # 627 GiB of FP8 weights on one GPU
+    assert "span more than one node of 8" in excluded["TP1 DP16"]  # DP replicas start on one node
+    one_node = {p.layout: p.reason for p in plan_model(spec_of(DEEPSEEK_V3, tmp_path, "c"), request(8)).excluded}
+    assert "exceed" in one_node["TP1 DP8"]  # 627 GiB of FP8 weights on one GPU
     assert all(p.fits and p.max_concurrent_seqs >= 1 for p in plan.layouts)
     assert "TP16 EP16" in {p.layout for p in plan.layouts}
     assert "quantized experts split by tensor parallelism" in excluded["TP16"]  # FP8 experts: EP or nothing
@@ -248,16 +252,18 @@ def test_expected_remote_ranks_vs_simulation():
 
 def test_expert_parallel_memory(tmp_path):
     spec = spec_of(DEEPSEEK_V3, tmp_path)
-    plan = plan_model(spec, request(16))
-    ep = next(p for p in plan.layouts if p.layout == "TP1 DP16 EP16")
-    tp = next(p for p in plan.layouts if p.layout == "TP16 EP16")
-    assert ep.weights_gib > tp.weights_gib  # 16 whole experts a layer each + replicated attention/dense vs 1/16
+    plan = plan_model(spec, request(8))  # attention-DP + EP on one node (DP replicas do not span nodes)
+    ep = next(p for p in plan.layouts if p.layout == "TP1 DP8 EP8")
+    tp = next(p for p in plan.layouts if p.layout == "TP8 EP8")
+    assert ep.weights_gib > tp.weights_gib  # 32 whole experts a layer each + replicated attention/dense vs 1/8
     assert ep.max_concurrent_seqs > tp.max_concurrent_seqs  # attention DP: each rank caches only its requests
+    tp16 = next(p for p in plan_model(spec, request(16)).layouts if p.layout == "TP16 EP16")
     redundant = plan_model(spec, request(16, redundant_experts=32))  # EPLB: 18 physical experts a layer a rank
     tp18 = next(p for p in redundant.layouts if p.layout == "TP16 EP16")
     expert_gib = 58 * 3 * 7168 * 2048 * (1 + 4 / 128**2) / 2**30  # 58 MoE layers, 3 FP8 matrices an expert
-    assert tp18.weights_gib - tp.weights_gib == pytest.approx(2 * expert_gib, rel=1e-9)
-    assert "--eplb-config" in {p.layout: p.reason for p in redundant.excluded}["TP1 DP16 EP16"]  # not in lockstep
+    assert tp18.weights_gib - tp16.weights_gib == pytest.approx(2 * expert_gib, rel=1e-9)
+    redundant8 = plan_model(spec, request(8, redundant_experts=8))
+    assert "--eplb-config" in {p.layout: p.reason for p in redundant8.excluded}["TP1 DP8 EP8"]  # not in lockstep
 
 
 # ------------------------------------------------------------------ CLI

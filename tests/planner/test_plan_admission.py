@@ -4,12 +4,15 @@ For quantized MoE models (block FP8, compressed-tensors INT4, MXFP4, ModelOpt NV
 on several clusters, every layout the planner proposes goes through the engine's own admission: the
 ``EngineArgs`` a user would launch it with (attention-DP + EP options, EPLB), then one MoE layer built
 the way a rank of that layout builds it (its TP/EP sizes and redundant experts in the parallel state,
-weights on meta, the checkpoint's QuantMethod from the loader handing it quantized experts). Every
-layout the planner excludes as refused by the engine must be refused by that same path, so the walk
-fails if either side drifts. Online FP8 keeps the routed experts at 2 bytes a value."""
+weights on meta, the checkpoint's QuantMethod from the loader handing it quantized experts), after the
+launch rule ``tokenfab serve`` applies (DP replicas on one node; TP alone spans nodes under torchrun).
+Every layout the planner excludes as refused by the engine must be refused by that same path, so the
+walk fails if either side drifts; on multi-node clusters no proposed DP layout spans nodes. Online FP8
+keeps the routed experts at 2 bytes a value."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -28,6 +31,7 @@ from tokenfab.planner.hardware import get_gpu, parse_interconnect
 from tokenfab.planner.model_spec import build_spec, load_config
 from tokenfab.planner.plan import LayoutPlan, PlanRequest, plan_model
 from tokenfab.quant.online import online_quant_method
+from tokenfab.server.cli import add_arguments, run
 
 NVFP4_QUANT = {"producer": {"name": "modelopt"}, "quantization": {
     "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
@@ -36,12 +40,14 @@ NVFP4_QUANT = {"producer": {"name": "modelopt"}, "quantization": {
 # (id, config, hf_quant_config.json or None, --quantization, [(gpus, gpu, redundant experts)])
 CASES = [
     ("fp8_block_deepseek_v3", DEEPSEEK_V3, None, None, [(8, "h200", 0), (16, "h200", 0), (16, "h200", 32),
-                                                         (16, "h100", 0)]),
-    ("int4_ct_kimi_k2", KIMI_K2, None, None, [(8, "h200", 0), (16, "h200", 0), (16, "b200", 64)]),
+                                                         (16, "h100", 0), (32, "h200", 0), (32, "h100", 32)]),
+    ("int4_ct_kimi_k2", KIMI_K2, None, None, [(8, "h200", 0), (16, "h200", 0), (16, "b200", 64),
+                                              (32, "h200", 0)]),
     ("mxfp4_gpt_oss_120b", GPT_OSS_120B, None, None, [(1, "h100", 0), (2, "h100", 0), (4, "h100", 0),
                                                       (8, "h100", 0), (8, "h100", 8), (6, "h100", 0)]),
     ("nvfp4_qwen3_235b", QWEN3_235B, NVFP4_QUANT, None, [(4, "h200", 0), (8, "h200", 0), (8, "b200", 16)]),
-    ("online_fp8_qwen3_235b", QWEN3_235B, None, "fp8", [(4, "h200", 0), (8, "h200", 0), (16, "h100", 32)]),
+    ("online_fp8_qwen3_235b", QWEN3_235B, None, "fp8", [(4, "h200", 0), (8, "h200", 0), (16, "h100", 32),
+                                                        (32, "h100", 0)]),
     ("online_fp8_block_qwen3_235b", QWEN3_235B, None, "fp8-block", [(8, "h200", 0)]),
 ]
 
@@ -65,13 +71,16 @@ def _moe_shape(config: dict) -> dict:
 
 
 def engine_admits(folder: Path, config: dict, quantization: str | None, tp: int, dp: int, ep: bool,
-                  redundant: int, monkeypatch: pytest.MonkeyPatch) -> None:
+                  redundant: int, monkeypatch: pytest.MonkeyPatch, gpus_per_node: int | None = None) -> None:
     """Raise as the engine would when asked to serve ``TPtp DPdp [EP]`` of this checkpoint.
 
-    The launch options go through ``EngineArgs``; then one MoE layer is built with the parallel state
-    a rank of that layout has (the TP group of its replica; EP over the TP group at DP 1, over every
-    replica under attention-DP + EP; EPLB's redundant experts) and gets the checkpoint's quantized
-    experts the way ``apply_quant_method`` hands them over."""
+    The launch rule first (DP x TP on one node of ``gpus_per_node``; ``tokenfab serve`` under torchrun,
+    the multi-node launch, refuses DP with the same function); the launch options go through
+    ``EngineArgs``; then one MoE layer is built with the parallel state a rank of that layout has (the
+    TP group of its replica; EP over the TP group at DP 1, over every replica under attention-DP + EP;
+    EPLB's redundant experts) and gets the checkpoint's quantized experts the way
+    ``apply_quant_method`` hands them over."""
+    admission.check_launch(tp, dp, gpus_per_node)
     eplb = {"num_redundant_experts": redundant} if ep and redundant else None
     EngineArgs(model=str(folder), tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
                eplb_config=eplb, quantization=quantization)
@@ -107,15 +116,20 @@ def test_every_proposed_layout_is_admitted_by_the_engine(case, tmp_path, monkeyp
     proposed = refused = 0
     for gpus, gpu, redundant in clusters:
         plan = plan_model(spec, _request(gpus, gpu, redundant, quantization))
+        node = get_gpu(gpu).gpus_per_node
         for p in plan.layouts:  # every layout proposed: the engine serves it
-            engine_admits(folder, config, quantization, p.tp, p.dp, _ep(p), redundant, monkeypatch)
+            engine_admits(folder, config, quantization, p.tp, p.dp, _ep(p), redundant, monkeypatch, node)
+            assert p.dp == 1 or p.tp * p.dp <= node  # no DP deployment spans nodes
             proposed += 1
         for p in plan.excluded:  # every layout excluded as refused: the engine refuses it
             if p.reason.startswith("the engine refuses it: "):
                 # (the format's expert module may refuse a TP-split shape first, in its own words)
                 with pytest.raises((ValueError, NotImplementedError)):
-                    engine_admits(folder, config, quantization, p.tp, p.dp, _ep(p), redundant, monkeypatch)
+                    engine_admits(folder, config, quantization, p.tp, p.dp, _ep(p), redundant, monkeypatch, node)
                 refused += 1
+        if gpus > node:  # every DP layout of a multi-node cluster is listed as excluded by the launch rule
+            multi = [p for p in plan.excluded if p.dp > 1]
+            assert multi and all("span more than one node" in p.reason for p in multi)
     assert proposed > 0
     assert refused > 0  # each case meets at least one refusal (TP-split quantized experts, TP under DP+EP)
 
@@ -197,3 +211,40 @@ def test_online_fp8_keeps_routed_experts_16_bit(tmp_path):
     blocks = layers * sum(math.ceil(r / 128) * math.ceil(cols / 128) * 4 for r, cols in attn)
     assert (bf16.model["weight_gib"] - block.model["weight_gib"]) * 2**30 == pytest.approx(
         layers * sum(r * cols for r, cols in attn) - blocks, rel=1e-12)
+
+
+def test_launch_rule_keeps_dp_on_one_node():
+    """DP replicas x TP ranks fit on one node, whatever the parallelism; TP alone may span nodes."""
+    for tp, dp in ((1, 16), (2, 8), (8, 2), (16, 2), (3, 3)):
+        with pytest.raises(ValueError, match=f"--data-parallel-size {dp} x --tensor-parallel-size {tp} = "
+                                             f"{tp * dp} GPUs span more than one node of 8"):
+            admission.check_launch(tp, dp, 8)
+    for tp, dp in ((1, 8), (2, 4), (8, 1), (16, 1), (32, 1), (1, 1)):
+        admission.check_launch(tp, dp, 8)
+    admission.check_launch(1, 64)  # nodes unknown: nothing to check
+    with pytest.raises(ValueError, match="under torchrun every rank is one TP group: drop --data-parallel-size"):
+        admission.check_launch(16, 2, torchrun=True)
+    admission.check_launch(16, 1, torchrun=True)
+
+
+def test_planner_excludes_multi_node_dp_with_the_launch_message(tmp_path):
+    """The layout that used to top the 16 x H200 DeepSeek plan spans two nodes: excluded, with the rule's
+    message; the same model and cluster keep the TP-only layout, which torchrun spreads over the nodes."""
+    spec = build_spec(load_config(_folder(tmp_path, DEEPSEEK_V3, None)))
+    plan = plan_model(spec, _request(16, "h200", 0, None))
+    reasons = {p.layout: p.reason for p in plan.excluded}
+    with pytest.raises(ValueError) as refused:
+        admission.check_launch(1, 16, 8)
+    assert reasons["TP1 DP16 EP16"] == f"the engine refuses it: {refused.value}"
+    assert [p.layout for p in plan.layouts] == ["TP16 EP16"]
+
+
+def test_serve_under_torchrun_refuses_dp_with_the_rule(tmp_path, monkeypatch, capsys):
+    """``tokenfab serve`` launched by torchrun refuses --data-parallel-size through ``check_launch``."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--data-parallel-size", "2"])
+    assert run(args) == 2
+    assert capsys.readouterr().err.strip() == f"tokenfab serve: {admission.TORCHRUN_DP_MESSAGE}"

@@ -1,7 +1,8 @@
 """Which parallel layouts the engine serves: the admission rules as plain functions.
 
 The engine calls them where it refuses a layout (``layers/moe.py`` when a MoE layer is built or given
-quantized experts, ``executors/dp_lockstep.py`` before an attention-DP + EP launch), and
+quantized experts, ``executors/dp_lockstep.py`` before an attention-DP + EP launch, ``server/cli.py``
+when torchrun starts ``tokenfab serve``), and
 ``tokenfab plan`` calls the same functions so that it never proposes a layout the engine refuses.
 They take plain numbers and flags (no torch, no process groups) and raise with the engine's message.
 
@@ -15,10 +16,15 @@ Why each rule exists (``docs/parallelism-layouts.md`` has the user-facing versio
   the MoE all-to-alls meet): TP 1 per replica, and nothing that changes the number of MoE calls per
   step on one rank only (speculative decoding, async scheduling, EPLB, two-batch overlap).
 - Expert parallelism places ``experts + redundant`` physical experts evenly on the EP ranks.
+- Data-parallel replicas start on the local node: ``engine/core/dp_client.py`` spawns every replica
+  (and its TP workers) on this machine, and attention-DP + EP meets on a loopback rendezvous. The one
+  multi-node launch, torchrun, runs a single TP group (every rank a TP rank) and takes no
+  ``--data-parallel-size``. So a DP deployment's DP x TP GPUs sit on one node; TP alone may span nodes.
 """
 
 from __future__ import annotations
 
+TORCHRUN_DP_MESSAGE = "under torchrun every rank is one TP group: drop --data-parallel-size"
 QUANTIZED_EXPERTS_TP_MESSAGE = ("quantized experts split by tensor parallelism are not supported: "
                                 "use --enable-expert-parallel (whole experts per rank)")
 
@@ -81,3 +87,19 @@ def check_dp_ep(data_parallel_size: int, enable_expert_parallel: bool, tensor_pa
     if bad:
         raise ValueError("--data-parallel-size N --enable-expert-parallel (attention-DP + EP) does not support "
                          + ", ".join(bad))
+
+
+def check_launch(tensor_parallel_size: int, data_parallel_size: int, gpus_per_node: int | None = None, *,
+                 torchrun: bool = False) -> None:
+    """Refuse a launch that places data-parallel replicas beyond one node: a ``ValueError``.
+
+    ``torchrun``: ``tokenfab serve`` started by torchrun (one TP group over every rank, on any number of
+    nodes), which takes no ``--data-parallel-size``. Otherwise DP x TP ranks must fit on one node of
+    ``gpus_per_node`` GPUs (None: not known here, nothing to check); TP alone (DP 1) is not limited."""
+    tp, dp = int(tensor_parallel_size), int(data_parallel_size)
+    if torchrun and dp != 1:
+        raise ValueError(TORCHRUN_DP_MESSAGE)
+    if dp > 1 and gpus_per_node is not None and tp * dp > gpus_per_node:
+        raise ValueError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} = {tp * dp} GPUs span more "
+                         f"than one node of {gpus_per_node}: data-parallel replicas start on the local node only "
+                         "(torchrun, the multi-node launch, runs one TP group and no --data-parallel-size)")

@@ -8,9 +8,9 @@ on every TP rank); ``DPd`` runs d replicas of that group; ``EP`` (``--enable-exp
 whole routed experts on the t*d ranks (ceil((E + redundant) / (t*d)) each), tokens travel by
 all-to-all, and with d > 1 this is DeepSeek's attention-DP + EP layout (each rank holds only its own
 requests' cache). Without EP, each replica holds every expert sharded t ways. A layout the engine
-refuses (``planner/servable.py`` asks the engine's own rules: quantized experts split by TP, TP > 1
-under attention-DP + EP, EPLB's redundant experts under attention-DP + EP, experts not dividing over
-the EP ranks) is listed as excluded with the engine's message, never proposed.
+refuses (``planner/servable.py`` asks the engine's own rules: DP replicas beyond one node, quantized
+experts split by TP, TP > 1 under attention-DP + EP, EPLB's redundant experts under attention-DP + EP,
+experts not dividing over the EP ranks) is listed as excluded with the engine's message, never proposed.
 
 The model per step (one replica of t ranks, N tokens; every figure per rank):
   compute  = sum over weights of 2 * N * values (routed experts: N * top_k / E of the pool, balanced)
@@ -303,7 +303,8 @@ def plan_model(spec: ModelSpec, req: PlanRequest) -> Plan:
         for ep in ((False, True) if spec.num_experts and req.gpus > 1 else (False,)):
             lay = Layout(tp, req.gpus // tp, ep)
             refusal = engine_refusal(tp, lay.dp, ep, num_experts=spec.num_experts, moe_intermediate=_moe_inter(spec),
-                                     redundant_experts=req.redundant_experts, experts_quantized=q_experts)
+                                     redundant_experts=req.redundant_experts, experts_quantized=q_experts,
+                                     gpus_per_node=gpu.gpus_per_node)
             reason = f"the engine refuses it: {refusal}" if refusal else _divisibility(spec, lay)
             p = LayoutPlan(lay.name, tp, lay.dp, lay.ep_size, fits=False, reason=reason)
             if not p.reason:

@@ -8,11 +8,13 @@ import os
 import sys
 import time
 
+from tokenfab.distributed import admission
 from tokenfab.engine.args import EngineArgs
 
-# Only argparse and EngineArgs at import time: `tokenfab --help` imports every command's module, and this one
-# must not pull in torch, FastAPI and the server for that. `run` imports what it starts (launch.py,
-# api_process.py, the engine); nothing imports this module back, so these deferred imports hide no cycle.
+# Only argparse, EngineArgs and the (torch-free) admission rules at import time: `tokenfab --help` imports
+# every command's module, and this one must not pull in torch, FastAPI and the server for that. `run` imports
+# what it starts (launch.py, api_process.py, the engine); nothing imports this module back, so these
+# deferred imports hide no cycle.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
     if launched_by_torchrun():  # torchrun: rank 0 serves, every other rank is a TP worker
         world = int(os.environ["WORLD_SIZE"])
-        if args.data_parallel_size != 1:
-            print("tokenfab serve: under torchrun every rank is one TP group: drop --data-parallel-size",
-                  file=sys.stderr)
+        try:  # the launch rule tokenfab plan checks too
+            admission.check_launch(args.tensor_parallel_size, args.data_parallel_size, torchrun=True)
+        except ValueError as e:
+            print(f"tokenfab serve: {e}", file=sys.stderr)
             return 2
         if args.tensor_parallel_size == 1:
             args.tensor_parallel_size = world
