@@ -7,6 +7,10 @@
 #   scripts/bench_cpu.sh serve        tokenfab serve vs llama.cpp's server on the same GGUF, concurrency
 #                                     1/4/16, in one run -> cpu_serve_bundled.{json,md,png}
 #   scripts/bench_cpu.sh all          both
+#   scripts/bench_cpu.sh cpu          tokenfab vs llama.cpp's llama-bench / llama-batched-bench and
+#                                     transformers on the bundled GGUF, with ISA flags and a measured
+#                                     roofline (issue 26) -> cpu_bench_<isa>.{json,md}; needs the tools
+#                                     built once: scripts/llama_cpp_server.sh build-tools (else skipped)
 #
 # Knobs: REPEATS (throughput rounds, default 2), DTYPES (default "float32"; e.g. "float32 bfloat16"),
 # SERVE_REQUESTS (requests per level, default 16), OUTDIR (default benchmarks/results), PORT (8123).
@@ -63,9 +67,16 @@ serve() {
         --plot "$OUTDIR/cpu_serve_bundled.png"
 }
 
+cpu_bench() {
+    local isa
+    isa="$($PY -c 'from tokenfab.bench.cpu import cpu_flags, isa_tag; print(isa_tag(cpu_flags()))')"
+    $PY -m tokenfab bench cpu --json "$OUTDIR/cpu_bench_$isa.json" --markdown "$OUTDIR/cpu_bench_$isa.md"
+}
+
 case "${1:-all}" in
 throughput) throughput ;;
+cpu) cpu_bench ;;
 serve) serve ;;
 all) throughput; serve ;;
-*) sed -n '2,16p' "$0" >&2; exit 2 ;;
+*) sed -n '2,20p' "$0" >&2; exit 2 ;;
 esac

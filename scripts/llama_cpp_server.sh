@@ -7,6 +7,7 @@
 #   scripts/llama_cpp_server.sh build-tools      build llama.cpp's own llama-server, llama-bench and
 #                                                llama-batched-bench into $LLAMA_CPP_TOOLS (issue 26)
 #   scripts/llama_cpp_server.sh tools-info       print the tools' build settings (JSON)
+#   scripts/llama_cpp_server.sh serve-native [P] llama-server on 127.0.0.1:P (default 8082), -np 16 -cb
 #
 # The side venv is $LLAMA_CPP_VENV (default .venv-llamacpp, git-ignored). The build compiles
 # llama.cpp from the PyPI sdist (about 6 minutes on 2 cores) with the CPU features named one by one and
@@ -100,6 +101,16 @@ build-tools)
 tools-info)
     tools_info
     ;;
+serve-native)
+    # llama.cpp's own server: LLAMA_CPP_PARALLEL slots (default 16) with continuous batching, each
+    # slot a context of N_CTX tokens, the same threads as our engine.
+    PORT="${2:-8082}"
+    [ -x "$TOOLS/bin/llama-server" ] || { echo "no $TOOLS/bin/llama-server: run '$0 build-tools' first" >&2; exit 2; }
+    MODEL="${LLAMA_CPP_MODEL:-$(bundled_gguf)}"
+    PARALLEL="${LLAMA_CPP_PARALLEL:-16}"
+    exec "$TOOLS/bin/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -tb "$THREADS" \
+        -c "$((N_CTX * PARALLEL))" -np "$PARALLEL" -cb -b 2048 -ub 512 --alias "$(basename "$MODEL" .gguf)"
+    ;;
 build)
     if [ ! -x "$VENV/bin/python" ]; then
         python3 -m venv "$VENV"
@@ -143,7 +154,7 @@ print(json.dumps({
 EOF
     ;;
 *)
-    sed -n '2,10p' "$0" >&2
+    sed -n '2,11p' "$0" >&2
     exit 2
     ;;
 esac

@@ -59,7 +59,9 @@ def markdown(r: dict[str, Any]) -> str:
            f"{m.get('lscpu_model_name') or m.get('cpu')}, {m['cpus']} CPUs, {r['threads']} threads for every engine; "
            f"commit {r['commit']}{' (checkout had uncommitted changes)' if r['uncommitted_changes'] else ''}; "
            f"started {r['started']}; load average (1/5/15 min) before {lb}, after {ll}; model {r['model']}", "",
-           f"ISA flags: {flags}", ""]
+           f"ISA flags: {flags}", "",
+           "Environment (every engine of the run inherits it): "
+           + (", ".join(f"{a}={b}" for a, b in m.get("env", {}).items()) or "none set"), ""]
     k = r["kernels"]
     g = k.get("ggml", {})
     out.append("tokenfab's native kernels: " + ", ".join(f"{n}={k[n]}" for n in k if n not in ("ggml",)) +
