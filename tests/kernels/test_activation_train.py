@@ -9,7 +9,14 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, opcheck, saved_tensors
+from tests.kernels.train_helpers import (
+    DEVICE,
+    assert_compiled_matches_eager,
+    check_against,
+    forward_backward,
+    opcheck,
+    saved_tensors,
+)
 from tokenfab.kernels.activation_train import (
     gelu_and_mul_train,
     gelu_and_mul_train_ref,
@@ -81,15 +88,7 @@ def test_torch_compile_module(kernel_path, gen):
         g, u = gate_up(x).chunk(2, dim=-1)
         return down(silu_and_mul_train(g, u) + gelu_and_mul_train(g, u))
 
-    x = _rand((3, 16), torch.float32, gen).to(DEVICE)
-    results = []
-    for fn in (mlp, torch.compile(mlp, fullgraph=True, backend="aot_eager")):
-        gate_up.zero_grad()
-        out = fn(x)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), gate_up.weight.grad.clone()))
-    for a, b in zip(*results):
-        assert_train_close_scaled(a, b)
+    assert_compiled_matches_eager(mlp, _rand((3, 16), torch.float32, gen).to(DEVICE), gate_up)
 
 
 def test_backward_keeps_only_gate_and_up(kernel_path, gen):

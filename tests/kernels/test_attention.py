@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.paged_batch import seq_lens, shuffled_block_tables
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import attention
 
@@ -16,23 +17,12 @@ def _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, device, dv=None):
     table row is padded with the id of a spare page past the sequence's last page.
     """
     dv = dv or d
-    b = len(q_lens)
-    nblk = [(c + bs - 1) // bs for c in ctx_lens]
-    max_blocks = max(max(nblk, default=0), 1) + 1
-    total = sum(nblk) + 2
-    perm = torch.randperm(total, generator=gen)
-    bt = torch.full((b, max_blocks), int(perm[-1]), dtype=torch.int32)
-    i = 0
-    for s, n in enumerate(nblk):
-        bt[s, :n] = perm[i : i + n]
-        i += n
+    bt, total = shuffled_block_tables(ctx_lens, bs, gen)
     kc = torch.randn(total, bs, hkv, d, generator=gen).to(dtype)
     vc = torch.randn(total, bs, hkv, dv, generator=gen).to(dtype)
     t = sum(q_lens)
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
-    cu = torch.zeros(b + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    cu, ctx = seq_lens(q_lens, ctx_lens)
     return [x.to(device) for x in (q, kc, vc, bt, cu, ctx)]
 
 

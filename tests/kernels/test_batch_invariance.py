@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernels.invariance import assert_rows_invariant
 from tests.kernels.test_attention import _batch, _sinks
 from tokenfab.kernels import attention
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
@@ -112,13 +113,7 @@ PROBE_ROWS = (0, 3, 4, 5, 16, 63)  # first/last of a tile, a tail row, the last 
 
 def _assert_row_invariant(fn, x: torch.Tensor) -> None:
     """Row r of fn(X[:M]) equals row r of fn(X) for every M, and fn(X[r:r+1]) equals row r."""
-    full = fn(x)
-    for m in ROW_COUNTS:
-        out = fn(x[:m])
-        bad = [r for r in range(m) if not torch.equal(out[r], full[r])]
-        assert not bad, f"rows {bad[:5]} of a {m}-row product differ from the {x.shape[0]}-row product"
-    for r in PROBE_ROWS:
-        assert torch.equal(fn(x[r:r + 1])[0], full[r]), f"row {r} alone differs from row {r} of the full product"
+    assert_rows_invariant(fn, x, ROW_COUNTS, PROBE_ROWS)
 
 
 @needs_native

@@ -19,6 +19,7 @@ import torch
 
 from tests.kernels.conftest import HAS_CUDA
 from tests.kernels.hopper_harness import assert_fits_hopper, script_records
+from tests.kernels.invariance import assert_rows_invariant
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import matmul_invariant as mi
 from tokenfab.kernels import norm
@@ -56,13 +57,7 @@ PROBE_ROWS = (0, 4, 16, 31, 32, 63)
 
 def _rows_invariant(fn, x: torch.Tensor) -> None:
     """Row r of fn(x[:m]) and of fn(x[r:r+1]) equal row r of fn(x), bit for bit."""
-    full = fn(x)
-    for m in ROW_COUNTS:
-        out = fn(x[:m])
-        bad = [r for r in range(m) if not torch.equal(out[r], full[r])]
-        assert not bad, f"rows {bad[:5]} of an {m}-row product differ from the {x.shape[0]}-row product"
-    for r in PROBE_ROWS:
-        assert torch.equal(fn(x[r:r + 1])[0], full[r]), f"row {r} alone differs"
+    full = assert_rows_invariant(fn, x, ROW_COUNTS, PROBE_ROWS)
     # and a row moved to another position (another tile, another slot in its tile)
     perm = torch.roll(torch.arange(x.shape[0]), 7)
     assert torch.equal(fn(x[perm]), full[perm])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.paged_batch import seq_lens, shuffled_block_tables
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import mla, mla_ref
 
@@ -13,21 +14,10 @@ from tokenfab.kernels import mla, mla_ref
 def _batch(q_lens, ctx_lens, h, r, rope, bs, dtype, gen, device):
     """Random paged latent cache [blocks, bs, 1, r + rope] (pages in shuffled order, spare pages,
     block table rows padded with a spare page id) and queries [T, H, r + rope]."""
-    b = len(q_lens)
-    nblk = [(c + bs - 1) // bs for c in ctx_lens]
-    max_blocks = max(max(nblk, default=0), 1) + 1
-    total = sum(nblk) + 2
-    perm = torch.randperm(total, generator=gen)
-    bt = torch.full((b, max_blocks), int(perm[-1]), dtype=torch.int32)
-    i = 0
-    for s, n in enumerate(nblk):
-        bt[s, :n] = perm[i : i + n]
-        i += n
+    bt, total = shuffled_block_tables(ctx_lens, bs, gen)
     cache = torch.randn(total, bs, 1, r + rope, generator=gen).to(dtype)
     q = (torch.randn(sum(q_lens), h, r + rope, generator=gen) * 0.5).to(dtype)
-    cu = torch.zeros(b + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    cu, ctx = seq_lens(q_lens, ctx_lens)
     return [x.to(device) for x in (q, cache, bt, cu, ctx)]
 
 

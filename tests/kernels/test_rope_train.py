@@ -9,7 +9,14 @@ import torch
 
 from tests.kernels import train_helpers
 from tests.kernels.tolerances import assert_train_close_scaled
-from tests.kernels.train_helpers import DEVICE, check_against, forward_backward, opcheck, saved_tensors
+from tests.kernels.train_helpers import (
+    DEVICE,
+    assert_compiled_matches_eager,
+    check_against,
+    forward_backward,
+    opcheck,
+    saved_tensors,
+)
 from tokenfab.kernels.rope_train import rope_train, rope_train_ref
 
 kernel_path = train_helpers.kernel_path  # the fixture: tests taking it run on both paths
@@ -107,15 +114,7 @@ def test_torch_compile_module(kernel_path, gen):
         q, k = rope_train(q, k, cos, sin)
         return (q * k).sum(-1)
 
-    x = torch.randn(2, 5, 32, generator=gen).to(DEVICE)
-    results = []
-    for fn in (attn_inputs, torch.compile(attn_inputs, fullgraph=True, backend="aot_eager")):
-        lin.zero_grad()
-        out = fn(x)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), lin.weight.grad.clone()))
-    for a, b in zip(*results):
-        assert_train_close_scaled(a, b)
+    assert_compiled_matches_eager(attn_inputs, torch.randn(2, 5, 32, generator=gen).to(DEVICE), lin)
 
 
 def test_backward_keeps_only_cos_sin(kernel_path, gen):

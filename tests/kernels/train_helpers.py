@@ -73,3 +73,16 @@ def opcheck(op, args: tuple) -> None:
     """``torch.library.opcheck``: schema, fake impl and AOT dispatch of a registered custom op."""
     res = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def assert_compiled_matches_eager(fn: Callable, x: torch.Tensor, module: torch.nn.Module) -> None:
+    """``fn`` eagerly and under ``torch.compile(fullgraph=True, backend="aot_eager")``: the same output and
+    the same gradient of ``module.weight`` (loss: the output's sum of squares)."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        module.zero_grad()
+        out = f(x)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), module.weight.grad.clone()))
+    for a, b in zip(*results):
+        assert_train_close_scaled(a, b)
