@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +91,12 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2))
+
+
+def script_main(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+    """A bench module run as a script (``python -m tokenfab.bench.<name>``): its own arguments (the
+    ones ``tokenfab bench <name>`` adds), parsed from ``argv``, then ``run``; described by ``doc``'s first line."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenfab.bench.common import git_commit, git_dirty, load_average, machine
+from tokenfab.bench.common import git_commit, git_dirty, load_average, machine, script_main
 
 METHODS = ("hf", "flce")
 
@@ -182,9 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return script_main(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

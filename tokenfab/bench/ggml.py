@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from tokenfab.bench.common import script_main
 from tokenfab.kernels.cpu.ggml_matmul import BLOCK_BYTES, dequantize, ggml_kernel_info, ggml_matmul
 
 # (name, N, K, qtype): the bundled SmolLM2-135M's linear shapes (Q4_1) and its tied LM head (Q8_0)
@@ -98,9 +99,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return script_main(__doc__, add_arguments, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tokenfab.bench.common import git_commit, git_dirty, load_average, machine, markdown_table, write_json
+from tokenfab.bench.common import git_commit, git_dirty, load_average, machine, markdown_table, script_main, write_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -160,9 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    return script_main(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
