@@ -24,25 +24,22 @@ step's JIT (Triton compilation, autotuning) on a GPU -- because a false alarm ki
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import select
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
 
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
+from tokenfab.engine.core.launch import CoreLaunch, load_tokenizer
 from tokenfab.engine.core.process import EXIT_TP_WORKER_DIED, pid_alive, pid_fd
 from tokenfab.engine.core.wakeup import WakeupPipe
 from tokenfab.engine.intake import RequestLimits
@@ -51,9 +48,6 @@ from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.stats import EngineStats
-from tokenfab.loader.bundled import bundled_model_path
-from tokenfab.loader.gguf import load_gguf_tokenizer
-from tokenfab.loader.model_loader import _hf_tokenizer
 
 log = logging.getLogger("tokenfab.core_client")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
@@ -72,38 +66,6 @@ def hang_timeout_from_env() -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"TOKENFAB_ENGINE_HANG_TIMEOUT must be >= 0 seconds (0 = off), got {raw!r}")
     return value
-
-
-def load_tokenizer(model: str | None) -> Any:
-    """The tokenizer of ``model`` (as ``load_model`` finds it), without the weights."""
-    path = Path(model) if model is not None else bundled_model_path()
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_tokenizer(path)
-    return _hf_tokenizer(path)
-
-
-@dataclasses.dataclass
-class CoreLaunch:
-    """An engine-core process started but not yet connected to (several start at once under DP)."""
-
-    proc: subprocess.Popen
-    address: str
-    workdir: str
-
-    @classmethod
-    def start(cls, args: EngineArgs, log_level: str = "info", env: dict[str, str] | None = None) -> CoreLaunch:
-        workdir = tempfile.mkdtemp(prefix="tokenfab-core-")
-        address = f"ipc://{workdir}/core.sock"
-        engine_args = dataclasses.asdict(args)
-        cmd = [sys.executable, "-m", "tokenfab.engine.core.process", "--address", address,
-               "--args-json", json.dumps(engine_args), "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        return cls(subprocess.Popen(cmd, env=env), address, workdir)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class EngineCoreClient:

@@ -35,7 +35,8 @@ from typing import Any
 import zmq
 
 from tokenfab.engine.args import EngineArgs
-from tokenfab.engine.core.client import CoreLaunch, EngineCoreClient, load_tokenizer
+from tokenfab.engine.core.client import EngineCoreClient
+from tokenfab.engine.core.launch import CoreLaunch, load_tokenizer
 from tokenfab.engine.core.wakeup import WakeupPipe
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
