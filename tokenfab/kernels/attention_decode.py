@@ -28,6 +28,8 @@ from tokenfab.kernels.paged import (
     check_num_splits,
     check_paged,
     decode_reduce_kernel,
+    load_q_tile,
+    qk_scores,
     softcap_log2,
 )
 
@@ -74,13 +76,9 @@ def _decode_split_kernel(
     g = tl.arange(0, BLOCK_G)
     heads = kvh * group + g
     g_ok = g < group
-    d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     q_rows = q_ptr + b64 * sqb + heads.to(tl.int64) * sqh
-    if D_CHUNK == BLOCK_D:
-        q = tl.load(q_rows[:, None] + d[None, :], mask=g_ok[:, None] & (d < head_dim)[None, :], other=0.0)
-    else:
-        q = 0.0
+    q = load_q_tile(q_rows, g_ok, head_dim, BLOCK_D, D_CHUNK)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     if HAS_SINKS and NUM_SPLITS == 1:
@@ -96,22 +94,7 @@ def _decode_split_kernel(
         page = tl.load(bt_row + j // block_size, mask=j_ok, other=0).to(tl.int64)
         off = (j % block_size).to(tl.int64)
         k_rows = k_base + page * skb + off * skt
-        if D_CHUNK == BLOCK_D:
-            k = tl.load(k_rows[:, None] + d[None, :], mask=j_ok[:, None] & (d < head_dim)[None, :], other=0.0)
-            if KV_FP8:
-                k = k.to(q_ptr.dtype.element_ty)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        else:
-            s = tl.zeros((BLOCK_G, BLOCK_N), tl.float32)
-            for dc in tl.static_range(0, BLOCK_D, D_CHUNK):
-                dd = dc + tl.arange(0, D_CHUNK)
-                qd = tl.load(q_rows[:, None] + dd[None, :], mask=g_ok[:, None] & (dd < head_dim)[None, :],
-                             other=0.0)
-                kd = tl.load(k_rows[:, None] + dd[None, :], mask=j_ok[:, None] & (dd < head_dim)[None, :],
-                             other=0.0)
-                if KV_FP8:
-                    kd = kd.to(q_ptr.dtype.element_ty)
-                s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
+        s = qk_scores(q, q_rows, g_ok, k_rows, j_ok, head_dim, BLOCK_G, BLOCK_N, BLOCK_D, D_CHUNK, KV_FP8, DOT_PREC)
         s = softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
         s = tl.where(j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

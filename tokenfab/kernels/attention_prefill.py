@@ -20,7 +20,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels.kv_cache import check_kv_dtypes
-from tokenfab.kernels.paged import LOG2E, check_paged, softcap_log2
+from tokenfab.kernels.paged import LOG2E, check_paged, load_q_tile, qk_scores, softcap_log2
 
 
 @triton.jit
@@ -46,7 +46,6 @@ def _prefill_tiles(
     operands, whose FMA products hold whole rows per thread) q.k is summed over head-dim
     chunks, re-reading the query rows ``q_rows`` (cached) instead.
     """
-    d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
@@ -61,22 +60,7 @@ def _prefill_tiles(
             k_ok = j_ok
         else:
             k_ok = j >= 0
-        if D_CHUNK == BLOCK_D:
-            k = tl.load(k_rows[:, None] + d[None, :], mask=k_ok[:, None] & (d < head_dim)[None, :], other=0.0)
-            if KV_FP8:
-                k = k.to(q_rows.dtype.element_ty)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        else:
-            s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for dc in tl.static_range(0, BLOCK_D, D_CHUNK):
-                dd = dc + tl.arange(0, D_CHUNK)
-                qd = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None] & (dd < head_dim)[None, :],
-                             other=0.0)
-                kd = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None] & (dd < head_dim)[None, :],
-                             other=0.0)
-                if KV_FP8:
-                    kd = kd.to(q_rows.dtype.element_ty)
-                s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
+        s = qk_scores(q, q_rows, row_ok, k_rows, k_ok, head_dim, BLOCK_M, BLOCK_N, BLOCK_D, D_CHUNK, KV_FP8, DOT_PREC)
         s = softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP)
         if MASKED:
             vis = (j[None, :] <= pos[:, None]) & (j[None, :] < kv_end)
@@ -160,14 +144,10 @@ def _prefill_kernel(
         row_ok = (r < BLOCK_Q * HEADS_PER_TILE) & (tok < q_len) & (gi < group)
         head = kvh * group + gi
         pos = ctx - q_len + tok
-        d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
         t64 = (q_start + tok).to(tl.int64)
         q_rows = q_ptr + t64 * sqt + head.to(tl.int64) * sqh
-        if D_CHUNK == BLOCK_D:
-            q = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & (d < head_dim)[None, :], other=0.0)
-        else:
-            q = 0.0
+        q = load_q_tile(q_rows, row_ok, head_dim, BLOCK_D, D_CHUNK)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         if HAS_SINKS:

@@ -198,26 +198,8 @@ def paged_decode_attention_ref(
     )
 
 
-
-def prefill_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    scale: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Variable-length causal attention of new query chunks against cached + new keys."""
-    return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-        max_context_len, scale, sliding_window, softcap, sinks, k_scale, v_scale,
-    )
+def prefill_attention_ref(*args, **kwargs) -> torch.Tensor:
+    """Variable-length causal attention of new query chunks against cached + new keys: the prefill
+    kernel's contract, ``paged_attention_ref``'s arguments and result."""
+    return paged_attention_ref(*args, **kwargs)
 

@@ -42,7 +42,7 @@ from tokenfab.kernels.dsa_indexer import (  # noqa: F401 (the indexer's public n
     topk_config,
 )
 from tokenfab.kernels.kv_cache import check_latent_fp8, latent_rows, raw_cache
-from tokenfab.kernels.mla import mla_config
+from tokenfab.kernels.mla import latent_query, latent_scores, latent_store, mla_config
 from tokenfab.kernels.mla_ref import REF_CHUNK_ELEMENTS
 from tokenfab.kernels.paged import LOG2E, check_num_splits, decode_reduce_kernel, flat_cache
 
@@ -114,15 +114,8 @@ def _dsa_sparse_split_kernel(
     start = sp * per
     end = tl.minimum(start + per, n_idx)
 
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < n_heads
-    r = tl.arange(0, BLOCK_R)
-    pe = tl.arange(0, BLOCK_P)
-    r_ok = r < kv_rank
-    pe_ok = pe < rope_dim
-    q_rows = q_ptr + t64 * sqt + heads.to(tl.int64) * sqh
-    q_lat = tl.load(q_rows[:, None] + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_pe = tl.load(q_rows[:, None] + kv_rank + pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)
+    heads, h_ok, r, r_ok, pe, pe_ok, q_lat, q_pe = latent_query(q_ptr, t64, sqt, sqh, hb, n_heads, kv_rank,
+                                                               rope_dim, BLOCK_H, BLOCK_R, BLOCK_P)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -135,14 +128,7 @@ def _dsa_sparse_split_kernel(
         jj = tl.where(j_ok, j, 0)
         page = tl.load(bt_row + jj // block_size, mask=j_ok, other=0).to(tl.int64)
         rows = c_ptr + page * scb + (jj % block_size).to(tl.int64) * sct
-        c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
-        kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
-        if KV_FP8:
-            c = c.to(q_lat.dtype)
-            kp = kp.to(q_lat.dtype)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
-        s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
-        s = tl.where(j_ok[None, :], s * scale_log2, float("-inf"))
+        s, c = latent_scores(rows, j_ok, r, r_ok, pe, pe_ok, kv_rank, q_lat, q_pe, scale_log2, KV_FP8, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a tile with no valid key leaves the state unchanged (m stays -inf until one is seen)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -152,23 +138,8 @@ def _dsa_sparse_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        if KV_FP8:
-            o = acc * (tl.load(kvs_ptr) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-        else:
-            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=h_ok[:, None] & r_ok[None, :],
-        )
-    else:
-        row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
-        if KV_FP8:
-            acc = acc * tl.load(kvs_ptr)  # the reduce merges the partials linearly
-        tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+    latent_store(acc, m_i, l_i, kvs_ptr, out_ptr, part_o_ptr, part_ml_ptr, t64, sot, soh, heads, h_ok, r, r_ok, sp,
+                 n_heads, NUM_SPLITS, BLOCK_R, KV_FP8)
 
 
 def sparse_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, num_sms: int,

@@ -63,6 +63,63 @@ from tokenfab.kernels.paged import (
 INVARIANT_MAX_SPLITS = 8
 
 @triton.jit
+def latent_query(q_ptr, t64, sqt, sqh, hb, n_heads, kv_rank, rope_dim, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """Head block ``hb`` of query token t: (heads, their mask, latent columns r and mask, rope columns pe
+    and mask, the latent queries [BLOCK_H, BLOCK_R], the rope queries [BLOCK_H, BLOCK_P])."""
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < n_heads
+    r = tl.arange(0, BLOCK_R)
+    pe = tl.arange(0, BLOCK_P)
+    r_ok = r < kv_rank
+    pe_ok = pe < rope_dim
+    q_rows = q_ptr + t64 * sqt + heads.to(tl.int64) * sqh
+    q_lat = tl.load(q_rows[:, None] + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_pe = tl.load(q_rows[:, None] + kv_rank + pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)
+    return heads, h_ok, r, r_ok, pe, pe_ok, q_lat, q_pe
+
+
+@triton.jit
+def latent_scores(rows, j_ok, r, r_ok, pe, pe_ok, kv_rank, q_lat, q_pe, scale_log2, KV_FP8: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """(scores [BLOCK_H, BLOCK_N] in log2 units, -inf at keys not ``j_ok``; the latent tile c) of the
+    cache rows ``rows``: q_lat . c + q_pe . k_pe. An fp8 cache is widened to q's dtype in registers."""
+    c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
+    kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
+    if KV_FP8:
+        c = c.to(q_lat.dtype)
+        kp = kp.to(q_lat.dtype)
+    s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
+    s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
+    return tl.where(j_ok[None, :], s * scale_log2, float("-inf")), c
+
+
+@triton.jit
+def latent_store(acc, m_i, l_i, kvs_ptr, out_ptr, part_o_ptr, part_ml_ptr, t64, sot, soh, heads, h_ok, r, r_ok, sp,
+                 n_heads, NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, KV_FP8: tl.constexpr):
+    """One split's online-softmax state out: with one split the normalized rows (times an fp8 cache's
+    scale) into ``out``; else the partials in the layout of the decode reduce kernel: o [T, H, S, BLOCK_R],
+    (max, sum) [T, H, S, 2]."""
+    if NUM_SPLITS == 1:
+        if KV_FP8:
+            o = acc * (tl.load(kvs_ptr) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        else:
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & r_ok[None, :],
+        )
+    else:
+        row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
+        if KV_FP8:
+            acc = acc * tl.load(kvs_ptr)  # the reduce merges the partials linearly
+        tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, c_ptr, bt_ptr, tok_seq_ptr, cu_ptr, ctx_ptr, kvs_ptr,
     out_ptr, part_o_ptr, part_ml_ptr,
@@ -101,15 +158,8 @@ def _mla_split_kernel(
     start = sp * per
     end = tl.minimum(start + per, kv_end)
 
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < n_heads
-    r = tl.arange(0, BLOCK_R)
-    pe = tl.arange(0, BLOCK_P)
-    r_ok = r < kv_rank
-    pe_ok = pe < rope_dim
-    q_rows = q_ptr + t64 * sqt + heads.to(tl.int64) * sqh
-    q_lat = tl.load(q_rows[:, None] + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_pe = tl.load(q_rows[:, None] + kv_rank + pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)
+    heads, h_ok, r, r_ok, pe, pe_ok, q_lat, q_pe = latent_query(q_ptr, t64, sqt, sqh, hb, n_heads, kv_rank,
+                                                               rope_dim, BLOCK_H, BLOCK_R, BLOCK_P)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -120,14 +170,7 @@ def _mla_split_kernel(
         j_ok = j < end
         page = tl.load(bt_row + j // block_size, mask=j_ok, other=0).to(tl.int64)
         rows = c_ptr + page * scb + (j % block_size).to(tl.int64) * sct
-        c = tl.load(rows[:, None] + r[None, :], mask=j_ok[:, None] & r_ok[None, :], other=0.0)
-        kp = tl.load(rows[:, None] + kv_rank + pe[None, :], mask=j_ok[:, None] & pe_ok[None, :], other=0.0)
-        if KV_FP8:
-            c = c.to(q_lat.dtype)
-            kp = kp.to(q_lat.dtype)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
-        s += tl.dot(q_pe, tl.trans(kp), input_precision=DOT_PREC)
-        s = tl.where(j_ok[None, :], s * scale_log2, float("-inf"))
+        s, c = latent_scores(rows, j_ok, r, r_ok, pe, pe_ok, kv_rank, q_lat, q_pe, scale_log2, KV_FP8, DOT_PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -135,24 +178,8 @@ def _mla_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
-        if KV_FP8:
-            o = acc * (tl.load(kvs_ptr) / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-        else:
-            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + t64 * sot + heads.to(tl.int64)[:, None] * soh + r[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=h_ok[:, None] & r_ok[None, :],
-        )
-    else:
-        # partials in the layout of attention's reduce kernel: o [T, H, S, BLOCK_R], (max, sum) [T, H, S, 2]
-        row = (t64 * n_heads + heads.to(tl.int64)) * NUM_SPLITS + sp
-        if KV_FP8:
-            acc = acc * tl.load(kvs_ptr)  # the reduce merges the partials linearly
-        tl.store(part_o_ptr + row[:, None] * BLOCK_R + r[None, :], acc, mask=h_ok[:, None])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+    latent_store(acc, m_i, l_i, kvs_ptr, out_ptr, part_o_ptr, part_ml_ptr, t64, sot, soh, heads, h_ok, r, r_ok, sp,
+                 n_heads, NUM_SPLITS, BLOCK_R, KV_FP8)
 
 
 def mla_config(num_tokens: int, num_heads: int, kv_lora_rank: int, rope_dim: int, num_sms: int,

@@ -12,7 +12,8 @@ A paged cache is ``[num_blocks, block_size, Hkv, D]`` (MLA/DSA: one "head" per t
   the decode attention, MLA and sparse-MLA kernels write ``part_o [T, H, S, BLOCK_DV]`` (fp32,
   unnormalised) and ``part_ml [T, H, S, 2]`` (running max in log2 units, sum) in this layout.
 - ``softcap_log2``, ``check_paged``: the logit transform and the argument checks of the paged
-  attention kernels (decode and prefill).
+  attention kernels (decode and prefill); ``load_q_tile``, ``qk_scores``: their query tile and
+  q . k^T scores of a key tile.
 """
 
 from __future__ import annotations
@@ -106,6 +107,43 @@ def softcap_log2(s, softcap, scale_log2, HAS_SOFTCAP: tl.constexpr):
     else:
         return s * scale_log2
 
+
+
+@triton.jit
+def load_q_tile(q_rows, q_ok, head_dim, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr):
+    """The query tile [rows, BLOCK_D] of the paged attention kernels when it stays in registers
+    (D_CHUNK == BLOCK_D); 0.0 otherwise (``qk_scores`` then re-reads ``q_rows`` chunk by chunk)."""
+    if D_CHUNK == BLOCK_D:
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_rows[:, None] + d[None, :], mask=q_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+    else:
+        q = 0.0
+    return q
+
+
+@triton.jit
+def qk_scores(q, q_rows, q_ok, k_rows, k_ok, head_dim, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr, KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Raw scores q . k^T [BLOCK_Q, BLOCK_N] (fp32) of a query tile against the key rows ``k_rows``
+    (``k_ok``: keys to load). D_CHUNK == BLOCK_D: one product with the register tile ``q``; smaller
+    (fp32 operands) summed over head-dim chunks re-reading ``q_rows``. An fp8 cache's keys are
+    widened to the queries' dtype in registers (their scale is folded into the softmax scale)."""
+    if D_CHUNK == BLOCK_D:
+        d = tl.arange(0, BLOCK_D)
+        k = tl.load(k_rows[:, None] + d[None, :], mask=k_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(q_rows.dtype.element_ty)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    else:
+        s = tl.zeros((BLOCK_Q, BLOCK_N), tl.float32)
+        for dc in tl.static_range(0, BLOCK_D, D_CHUNK):
+            dd = dc + tl.arange(0, D_CHUNK)
+            qd = tl.load(q_rows[:, None] + dd[None, :], mask=q_ok[:, None] & (dd < head_dim)[None, :], other=0.0)
+            kd = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None] & (dd < head_dim)[None, :], other=0.0)
+            if KV_FP8:
+                kd = kd.to(q_rows.dtype.element_ty)
+            s += tl.dot(qd, tl.trans(kd), input_precision=DOT_PREC)
+    return s
 
 
 @triton.jit
