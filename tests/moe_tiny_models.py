@@ -6,16 +6,11 @@ from typing import Any
 
 import torch
 
-MOE_COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+from tests.tiny_models import TINY_COMMON
+
+# the dense tiny models' shape, with head_dim 16; each family sets its own layers and MLP sizes
+MOE_COMMON = {k: v for k, v in TINY_COMMON.items() if k not in ("intermediate_size", "num_hidden_layers")}
+MOE_COMMON["head_dim"] = 16
 
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     # 3 layers: MoE, dense (mlp_only_layers), MoE

@@ -36,16 +36,24 @@ def tiny_config(model_type: str, **overrides: Any):
     return cls(**kwargs)
 
 
+def randomize_(module: Any) -> Any:
+    """Every parameter ~N(0, 0.2), larger than the default init so that errors are visible, and
+    DeepSeek's routing correction biases ~N(0, 0.1); returns the module (eval)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+        for name, buf in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.1)
+    return module.eval()
+
+
 def save_tiny_model(config, path: Path, seed: int = 0) -> Any:
-    """Build the transformers model with random weights (fp32), save it, return it (eval)."""
+    """Build the transformers model with random weights (fp32, ``randomize_``), save it, return it (eval)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init, so errors are visible
-            p.normal_(0, 0.2)
-    model.eval()
+    model = randomize_(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -157,3 +165,67 @@ def paths_reached(batches: list, threshold: int) -> set[str]:
         if dec and max(dec) > threshold >= min(dec):
             seen.add("long+short decodes")
     return seen
+
+
+def finished_outputs(engine, prompts: list[list[int]], params, tag: str = "g") -> list:
+    """Add every prompt (request ids ``{tag}{i}``), step until all finish; their final
+    ``RequestOutput``s in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int, tag: str = "g") -> list[list[int]]:
+    """Each prompt's ``max_tokens`` greedy tokens (EOS ignored), all prompts in one engine run."""
+    from tokenfab.engine.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in finished_outputs(engine, prompts, params, tag)]
+
+
+def assert_batched_equals_alone(engine) -> list[list[int]]:
+    """Four prompts of different lengths give the same 8 greedy tokens batched as each alone; returns
+    the tokens of each alone."""
+    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
+    alone = [greedy_tokens(engine, [p], 8, f"a{i}-")[0] for i, p in enumerate(prompts)]
+    assert greedy_tokens(engine, prompts, 8, "b") == alone
+    return alone
+
+
+def assert_step_logits_match_hf(engine, hf, prompts: list[list[int]], steps: int = 6, atol: float = 1e-3) -> None:
+    """Per prompt, alone: the logits of the prefill and of each decode step equal transformers' (fp32)
+    at the same position, the engine's token is transformers' argmax, and every block is freed."""
+    for prompt in prompts:
+        generated, step_logits = run_capturing_logits(engine, list(prompt), steps)
+        assert len(generated) == steps
+        full = list(prompt) + generated
+        ref = hf_logits(hf, full)
+        assert len(step_logits) == steps  # the prefill (maybe in chunks), then steps - 1 decode steps
+        for s, logits in enumerate(step_logits):
+            pos = len(prompt) - 1 + s
+            torch.testing.assert_close(logits[0], ref[pos], atol=atol, rtol=0)
+            assert int(ref[pos].argmax()) == full[pos + 1]
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def compiled_and_eager_logits(engine, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a two-sequence prefill (5 and 3 tokens) through ``torch.compile(fullgraph=True,
+    backend=backend)`` of the model, and eagerly."""
+    from tokenfab.engine.requests.sampling_params import SamplingParams
+    from tokenfab.engine.requests.sequence import Sequence
+
+    seqs = [Sequence(f"s{i}", None, list(range(1, n + 1)), SamplingParams(), 0) for i, n in enumerate((5, 3))]
+    for s in seqs:
+        engine.block_manager.allocate(s, s.num_tokens)
+    batch = engine.runner.prepare(seqs, [s.num_tokens for s in seqs], [True, True])
+    model = engine.runner.model
+    with torch.inference_mode():
+        expected = model.compute_logits(model(batch)[batch.logits_indices])
+        compiled = torch.compile(lambda b: model.compute_logits(model(b)[b.logits_indices]), fullgraph=True,
+                                 backend=backend)
+        return compiled(batch), expected

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import finished_outputs
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
@@ -22,14 +23,7 @@ def hf_logprobs(tiny_llama_dir):
 
 
 def run(engine: LLMEngine, params: SamplingParams):
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[f"r{i}"] for i in range(len(PROMPTS))]
+    return finished_outputs(engine, PROMPTS, params, "r")
 
 
 @pytest.mark.parametrize("budget, blocks", [(4096, 200), (5, 200), (8, 14)])

@@ -7,9 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import hf_logits, run_capturing_logits
+from tests.tiny_models import (
+    assert_batched_equals_alone,
+    assert_step_logits_match_hf,
+    compiled_and_eager_logits,
+    greedy_tokens,
+    hf_logits,
+    run_capturing_logits,
+    save_tiny_model,
+)
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.runner.model_runner import kv_bytes_per_token
 from tokenfab.layers.mla import MLAAttention
 from tokenfab.layers.moe import FusedMoE
@@ -38,18 +45,7 @@ def save_tiny_deepseek(path, seed: int = 0, **overrides):
     routing correction bias), saved as safetensors; returns it (eval)."""
     import transformers
 
-    config = transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.1)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_tiny_model(transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, **overrides}), path, seed)
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -74,18 +70,6 @@ def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-    return [done[f"{tag}{i}"] for i in range(len(prompts))]
-
-
 def test_structure_and_latent_cache(tiny):
     """Dense first layer then MoE with shared experts; the cache holds r + rope values per token."""
     hf, _, engine = tiny
@@ -106,24 +90,13 @@ def test_structure_and_latent_cache(tiny):
 
 def test_prefill_and_decode_logits_match(tiny):
     hf, _, engine = tiny
-    for prompt in PROMPTS:
-        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
-        full = list(prompt) + generated
-        ref = hf_logits(hf, full)
-        assert len(step_logits) == 6  # the prefill, then 5 decode steps
-        for s, logits in enumerate(step_logits):
-            pos = len(prompt) - 1 + s
-            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
-            assert int(ref[pos].argmax()) == full[pos + 1]
-        assert engine.block_manager.num_used_blocks == 0
+    assert_step_logits_match_hf(engine, hf, PROMPTS)
 
 
 def test_batched_equals_alone(tiny):
     hf, _, engine = tiny
-    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
-    alone = [_generate(engine, [p], 8, f"a{i}-")[0] for i, p in enumerate(prompts)]
-    assert _generate(engine, prompts, 8, "b") == alone
-    assert alone[1] == _hf_greedy(hf, prompts[1], 8)
+    alone = assert_batched_equals_alone(engine)
+    assert alone[1] == _hf_greedy(hf, [1, 2, 3, 4, 5, 6, 7, 8, 9], 8)
 
 
 def test_chunked_prefill_and_prefix_cache(tiny):
@@ -134,9 +107,9 @@ def test_chunked_prefill_and_prefix_cache(tiny):
     long = list(range(40, 63))  # 23 tokens: 3 chunks
     shared = long[:16] + [7, 8, 9]  # shares 4 full blocks
     expect = [_hf_greedy(hf, p, 5) for p in (long, shared, [3, 1, 4])]
-    assert _generate(engine, [long, [3, 1, 4]], 5, "c") == [expect[0], expect[2]]
+    assert greedy_tokens(engine, [long, [3, 1, 4]], 5, "c") == [expect[0], expect[2]]
     computed = engine.computed_prompt_tokens_total
-    assert _generate(engine, [long, shared], 5, "d") == [expect[0], expect[1]]
+    assert greedy_tokens(engine, [long, shared], 5, "d") == [expect[0], expect[1]]
     # both reuse the cached first blocks of `long`: fewer prompt tokens computed than given
     assert engine.computed_prompt_tokens_total - computed <= len(long) + len(shared) - 2 * 16
     assert engine.block_manager.num_used_blocks == 0
@@ -224,25 +197,14 @@ def test_expanded_prefill_form(tiny, monkeypatch):
     for s, x in enumerate(logits):
         torch.testing.assert_close(x[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
     shared = prompt[:16] + [9, 8, 7, 6]
-    assert _generate(engine, [shared, [4, 4, 4]], 4, "e") == [_hf_greedy(hf, p, 4) for p in (shared, [4, 4, 4])]
+    assert greedy_tokens(engine, [shared, [4, 4, 4]], 4, "e") == [_hf_greedy(hf, p, 4) for p in (shared, [4, 4, 4])]
 
 
 def test_forward_compiles_fullgraph(tmp_path):
     """The MLA + MoE forward traces as one graph through the custom ops' fake implementations
     (store_latent mutating the cache, mla_attention, grouped routing, fused experts) and gives the
     eager result."""
-    from tokenfab.engine.requests.sequence import Sequence
-
     save_tiny_deepseek(tmp_path, num_hidden_layers=1, first_k_dense_replace=0)
     eng = LLMEngine(model=str(tmp_path), num_kv_blocks=16, block_size=4)
-    seqs = [Sequence(f"s{i}", None, list(range(1, n + 1)), SamplingParams(), 0) for i, n in enumerate((5, 3))]
-    for s in seqs:
-        eng.block_manager.allocate(s, s.num_tokens)
-    batch = eng.runner.prepare(seqs, [s.num_tokens for s in seqs], [True, True])
-    model = eng.runner.model
-    with torch.inference_mode():
-        expected = model.compute_logits(model(batch)[batch.logits_indices])
-        compiled = torch.compile(lambda b: model.compute_logits(model(b)[b.logits_indices]), fullgraph=True,
-                                 backend="inductor")
-        got = compiled(batch)
+    got, expected = compiled_and_eager_logits(eng, "inductor")
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -9,8 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_deepseek import YARN, _engine, _generate, _hf_greedy
-from tests.tiny_models import assert_batch_matches_hf, hf_logits, paths_reached, run_batch, run_capturing_logits
+from tests.models.test_deepseek import YARN, _engine, _hf_greedy
+from tests.tiny_models import (
+    assert_batch_matches_hf,
+    assert_step_logits_match_hf,
+    greedy_tokens,
+    hf_logits,
+    paths_reached,
+    run_batch,
+    run_capturing_logits,
+    save_tiny_model,
+)
 from tokenfab.layers.dsa import SparseLatentAttention
 
 DSA_COMMON = dict(
@@ -33,18 +42,7 @@ def save_tiny_dsa(model_type: str, path, seed: int = 0, **overrides):
     import transformers
 
     cls = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}[model_type]
-    config = cls(**{**DSA_COMMON, **CASES[model_type], **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.1)
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_tiny_model(cls(**{**DSA_COMMON, **CASES[model_type], **overrides}), path, seed)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -65,30 +63,22 @@ def test_structure_and_cache(tiny):
 
 def test_prefill_and_decode_logits_match(tiny):
     _, hf, _, engine = tiny
-    for prompt in PROMPTS:
-        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
-        full = list(prompt) + generated
-        ref = hf_logits(hf, full)
-        assert len(step_logits) == 6
-        for s, logits in enumerate(step_logits):
-            pos = len(prompt) - 1 + s
-            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
-            assert int(ref[pos].argmax()) == full[pos + 1]
+    assert_step_logits_match_hf(engine, hf, PROMPTS)
 
 
 def test_batched_chunked_and_prefix_cached_generations(tiny):
     _, hf, path, engine = tiny
     prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
-    alone = [_generate(engine, [p], 6, f"a{i}-")[0] for i, p in enumerate(prompts)]
-    assert _generate(engine, prompts, 6, "b") == alone
+    alone = [greedy_tokens(engine, [p], 6, f"a{i}-")[0] for i, p in enumerate(prompts)]
+    assert greedy_tokens(engine, prompts, 6, "b") == alone
     assert alone[2] == _hf_greedy(hf, prompts[2], 6)
     chunked = _engine(path, max_num_batched_tokens=8, enable_prefix_caching=True)
     long = list(range(40, 63))
     shared = long[:16] + [7, 8, 9]
     expect = [_hf_greedy(hf, p, 5) for p in (long, shared)]
-    assert _generate(chunked, [long], 5, "c") == [expect[0]]
+    assert greedy_tokens(chunked, [long], 5, "c") == [expect[0]]
     computed = chunked.computed_prompt_tokens_total
-    assert _generate(chunked, [long, shared], 5, "d") == expect
+    assert greedy_tokens(chunked, [long, shared], 5, "d") == expect
     assert chunked.computed_prompt_tokens_total - computed <= len(long) + len(shared) - 2 * 16
 
 

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.tiny_models import (
     assert_batch_matches_hf,
-    hf_logits,
+    assert_batched_equals_alone,
+    assert_step_logits_match_hf,
     paths_reached,
     run_batch,
-    run_capturing_logits,
     save_tiny_model,
     tiny_config,
 )
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.requests.sampling_params import SamplingParams
 
 CASES = {
     "llama": {},
@@ -47,39 +45,12 @@ def tiny(request, tmp_path_factory):
 
 def test_prefill_and_decode_logits_match(tiny):
     hf, engine = tiny
-    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))]
-    for prompt in prompts:
-        ids = list(prompt)
-        generated, step_logits = run_capturing_logits(engine, ids, 6)
-        assert len(generated) == 6
-        full = ids + generated
-        ref = hf_logits(hf, full)
-        # step 0 is the prefill (maybe in chunks), then 5 decode steps
-        assert len(step_logits) == 6
-        for s, logits in enumerate(step_logits):
-            pos = len(ids) - 1 + s
-            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
-            assert int(ref[pos].argmax()) == full[pos + 1]
-        assert engine.block_manager.num_used_blocks == 0
+    assert_step_logits_match_hf(engine, hf, [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [1, 2, 3], list(range(30, 60))])
 
 
 def test_batched_equals_alone(tiny):
     _, engine = tiny
-    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-    def run(batch):
-        for i, p in enumerate(batch):
-            engine.add_request(f"b{i}-{len(batch)}", p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-        return [done[f"b{i}-{len(batch)}"] for i in range(len(batch))]
-
-    alone = [run([p])[0] for p in prompts]
-    assert run(prompts) == alone
+    assert_batched_equals_alone(engine)
 
 
 def test_sliding_window_batched_long_and_short(tmp_path):

@@ -12,6 +12,8 @@ import torch
 from tests.moe_tiny_models import mxfp4_pack, mxfp4_unpack, tiny_moe_config
 from tests.tiny_models import (
     assert_batch_matches_hf,
+    assert_batched_equals_alone,
+    assert_step_logits_match_hf,
     hf_logits,
     paths_reached,
     run_batch,
@@ -19,7 +21,6 @@ from tests.tiny_models import (
     save_tiny_model,
 )
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.layers.moe import FusedMoE
 
 CASES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
@@ -59,36 +60,12 @@ def test_model_structure(tiny):
 
 def test_prefill_and_decode_logits_match(tiny):
     _, hf, engine = tiny
-    for prompt in PROMPTS:
-        generated, step_logits = run_capturing_logits(engine, list(prompt), 6)
-        assert len(generated) == 6
-        full = list(prompt) + generated
-        ref = hf_logits(hf, full)
-        assert len(step_logits) == 6  # the prefill, then 5 decode steps
-        for s, logits in enumerate(step_logits):
-            pos = len(prompt) - 1 + s
-            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
-            assert int(ref[pos].argmax()) == full[pos + 1]
-        assert engine.block_manager.num_used_blocks == 0
+    assert_step_logits_match_hf(engine, hf, PROMPTS)
 
 
 def test_batched_equals_alone(tiny):
     _, _, engine = tiny
-    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200] * 13, [7]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-    def run(batch):
-        for i, p in enumerate(batch):
-            engine.add_request(f"b{i}-{len(batch)}", p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-        return [done[f"b{i}-{len(batch)}"] for i in range(len(batch))]
-
-    alone = [run([p])[0] for p in prompts]
-    assert run(prompts) == alone
+    assert_batched_equals_alone(engine)
 
 
 # contexts past the sliding window (7 Mixtral, 4 GPT-OSS) batched with shorter ones, a prompt arriving

@@ -22,9 +22,14 @@ import torch
 
 from tests.models.test_deepseek import save_tiny_deepseek
 from tests.quant.layouts_fp8 import write_fp8_block_checkpoint
-from tests.tiny_models import run_capturing_logits, save_tiny_model, tiny_config
+from tests.tiny_models import (
+    compiled_and_eager_logits,
+    greedy_tokens,
+    run_capturing_logits,
+    save_tiny_model,
+    tiny_config,
+)
 from tokenfab.engine.llm_engine import LLMEngine
-from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.quant.fp8_block import FP8Linear
 from tokenfab.quant.fp8_experts import FP8Experts
 
@@ -83,18 +88,6 @@ def _hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
     return res
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"g{i}", p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"g{i}"] for i in range(len(prompts))]
-
-
 def test_loads_packed_and_matches_transformers(case):
     name, root, hf_reads_fp8 = case
     engine = _engine(root / "fp8")
@@ -107,7 +100,7 @@ def test_loads_packed_and_matches_transformers(case):
     if name.startswith("deepseek"):
         experts = [m for m in model.modules() if isinstance(m, FP8Experts)]
         assert experts and all(e.w13.dtype == torch.float8_e4m3fn for e in experts)
-    ours = _greedy(engine, PROMPTS, STEPS)
+    ours = greedy_tokens(engine, PROMPTS, STEPS)
     reference = root / ("fp8" if hf_reads_fp8 else "twin")
     assert ours == _hf_greedy(reference, PROMPTS, STEPS)
 
@@ -173,20 +166,9 @@ def test_scale_fmt_ue8m0_reaches_the_layers(tmp_path):
 def test_fp8_model_compiles_fullgraph(tmp_path_factory):
     """An FP8 model's forward (DeepSeek: FP8 linears, FP8 experts, MLA reading the dequantized kv_b_proj)
     traces as one graph and gives the eager logits."""
-    from tokenfab.engine.requests.sequence import Sequence
-
     _, root, _ = _build("deepseek-edge", tmp_path_factory)
-    eng = _engine(root / "fp8")
-    seqs = [Sequence(f"s{i}", None, list(range(1, n + 1)), SamplingParams(), 0) for i, n in enumerate((5, 3))]
-    for s in seqs:
-        eng.block_manager.allocate(s, s.num_tokens)
-    batch = eng.runner.prepare(seqs, [s.num_tokens for s in seqs], [True, True])
-    model = eng.runner.model
-    with torch.inference_mode():
-        expected = model.compute_logits(model(batch)[batch.logits_indices])
-        compiled = torch.compile(lambda b: model.compute_logits(model(b)[b.logits_indices]), fullgraph=True,
-                                 backend="aot_eager")
-        torch.testing.assert_close(compiled(batch), expected, **LOGIT_TOL)
+    got, expected = compiled_and_eager_logits(_engine(root / "fp8"), "aot_eager")
+    torch.testing.assert_close(got, expected, **LOGIT_TOL)
 
 
 def test_quantized_build_never_allocates_the_float_weights(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from tests.models.test_deepseek import DEEPSEEK_COMMON, save_tiny_deepseek
 from tests.speculative.paged_batch import paged_batch
+from tests.tiny_models import randomize_
 from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.model_loader import load_model
@@ -25,13 +26,7 @@ def _write_mtp_layer(path, config, shared: bool, seed: int = 1):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     torch.manual_seed(seed)
-    layer = DeepseekV3DecoderLayer(config, layer_idx=LAYERS).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.2)
-        for name, buf in layer.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.1)
+    layer = randomize_(DeepseekV3DecoderLayer(config, layer_idx=LAYERS))
     h, v = config.hidden_size, config.vocab_size
     extras = {"enorm.weight": 1 + 0.2 * torch.randn(h), "hnorm.weight": 1 + 0.2 * torch.randn(h),
               "eh_proj.weight": 0.2 * torch.randn(h, 2 * h), "shared_head.norm.weight": 1 + 0.2 * torch.randn(h)}

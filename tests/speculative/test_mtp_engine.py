@@ -22,6 +22,7 @@ from tests.models.test_deepseek import DEEPSEEK_COMMON, save_tiny_deepseek
 from tests.models.test_deepseek_dsa import save_tiny_dsa
 from tests.speculative.spec_cases import check_greedy_identity, outputs, plain_llm, random_prompts
 from tests.speculative.test_mtp import _reference
+from tests.tiny_models import randomize_
 from tokenfab import LLM
 from tokenfab.engine.llm_engine import LLMEngine
 
@@ -32,13 +33,7 @@ def write_mtp_layer(path, layer_cls, config, index: int, seed: int = 1):
     """transformers' decoder layer at ``index`` (random, N(0, 0.2)) + the MTP extras (embedding and
     head shared with the target), one tensor per expert; returns (hf layer, extras)."""
     torch.manual_seed(seed)
-    layer = layer_cls(config, layer_idx=index).eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.2)
-        for name, buf in layer.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.1)
+    layer = randomize_(layer_cls(config, layer_idx=index))
     h = config.hidden_size
     extras = {"enorm.weight": 1 + 0.2 * torch.randn(h), "hnorm.weight": 1 + 0.2 * torch.randn(h),
               "eh_proj.weight": 0.2 * torch.randn(h, 2 * h), "shared_head.norm.weight": 1 + 0.2 * torch.randn(h)}
