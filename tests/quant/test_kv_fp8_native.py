@@ -40,7 +40,7 @@ def dequantize(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def test_every_e4m3_code_reads_exactly():
     """One key per sequence: the output is the value row itself times v_scale, so each of the 254
     finite codes (0x7f / 0xff are NaN and never stored) must read as torch's float8 value exactly,
-    through the AVX-512 path (16 columns) and the scalar tail (19 columns)."""
+    through the full 16-column vectors (16 columns) and the masked tail (19 columns) of the build's path."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes: never written
     for dv in (16, 19):
