@@ -81,7 +81,7 @@ tools_info() {
 import json, subprocess, sys
 from pathlib import Path
 tools = Path(sys.argv[1]).resolve()
-out = subprocess.run([str(tools / "bin" / "llama-server"), "--version"], capture_output=True, text=True)
+out = subprocess.run([str(tools / "bin" / "llama-batched-bench"), "--version"], capture_output=True, text=True)
 def read(name):
     path = tools / name
     return path.read_text().strip() if path.exists() else None
@@ -90,6 +90,7 @@ print(json.dumps({
     "source": f"llama-cpp-python=={read('llama_cpp_python_version.txt')} sdist, vendor/llama.cpp",
     "version": " / ".join((out.stdout + out.stderr).strip().splitlines()[-2:]),
     "cmake_args": read("cmake_args.txt"), "bin": str(tools / "bin"),
+    "built": sorted(p.name for p in (tools / "bin").iterdir()),
 }))
 PY
 }

@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp tools")
     p.add_argument("--tiny", action="store_true", help="small roofline probes (tests; the figures mean little)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-raw", default=None, help="a folder for the llama.cpp tools' raw output")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the Markdown report here")
 
@@ -121,10 +122,10 @@ def run_llama_cpp(args: argparse.Namespace, model: Path, threads: int, batches: 
     if missing:
         return {"skipped": f"llama.cpp tools not built ({', '.join(missing)} absent from "
                            f"{llama_cpp_tools.tools_dir()}): run scripts/llama_cpp_server.sh build-tools"}
+    settings = llama_cpp_tools.tools_settings()  # first: a broken build fails before the long runs
     bench = llama_cpp_tools.run_llama_bench(model, threads, args.prompt_len, args.gen_len, args.repeats)
     batched = llama_cpp_tools.run_batched_bench(model, threads, batches, args.batch_prompt_len, args.gen_len)
-    return {"settings": llama_cpp_tools.tools_settings(), "llama_bench": bench, "batched_bench": batched,
-            "threads": threads}
+    return {"settings": settings, "llama_bench": bench, "batched_bench": batched, "threads": threads}
 
 
 def run_transformers(args: argparse.Namespace, model: Path, prompts: list[list[int]], dtype: str,
@@ -208,7 +209,11 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(text + "\n")
-    for side in (report["llama_cpp"].get("llama_bench"), report["llama_cpp"].get("batched_bench")):
+    raws = (("llama_bench.json", llama.get("llama_bench")), ("batched_bench.txt", llama.get("batched_bench")))
+    for name, side in raws:
+        if side and args.save_raw:
+            Path(args.save_raw).mkdir(parents=True, exist_ok=True)
+            Path(args.save_raw, name).write_text(side["raw"])
         if side:
             side.pop("raw", None)  # the parsed figures stay; the logs are long
     write_json(args.json, report)

@@ -70,6 +70,9 @@ def markdown(r: dict[str, Any]) -> str:
     out += ["", "## Workloads (tokens/s)", ""]
     if "skipped" in llama:
         out += [f"llama.cpp: skipped ({llama['skipped']})", ""]
+    else:
+        out += ["The llama.cpp tools time `llama_decode` alone (random tokens, no sampling, no detokenizing); "
+                "tokenfab's figures go through the LLM API (scheduler, greedy sampler, detokenizer, outputs).", ""]
     out.append(markdown_table(["workload", "llama.cpp tool", "tokenfab", "llama.cpp", "tokenfab / llama.cpp",
                                "roofline bound", "tokenfab % of bound", "llama.cpp % of bound"], _workload_rows(r)))
     biggest = r["tokenfab"]["batched"][-1]
