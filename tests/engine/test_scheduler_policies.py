@@ -8,6 +8,8 @@ preempted and re-queued with its tokens; a step that preempted admits nobody.
 
 from __future__ import annotations
 
+import pytest
+
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import Scheduler
@@ -203,16 +205,21 @@ def test_request_larger_than_the_cache_waits_at_the_head():
     assert s.bm.num_free_blocks == 2
 
 
-def test_a_victim_preempted_after_the_asker_is_skipped_and_later_requests_still_run():
-    """r0 (decode) needs a block; the victim r1 (priority 5) comes later in the step's order and is
-    skipped there; r2's prompt chunk after it still runs."""
+@pytest.mark.parametrize("r0, r1, r2, steps", [
+    # r0 (decode) needs a block; the victim r1 comes later in the step's order and is skipped there
+    (7, 1, 8, [{"r0": 7, "r1": 1}, {"r0": 1, "r1": 1, "r2": 6}, {"r0": 1, "r2": 2}]),
+    # r1 (decoding) needs a block and is itself the lowest priority: it goes back to the queue
+    (1, 7, 20, [{"r0": 1, "r1": 7}, {"r0": 1, "r1": 1, "r2": 6}, {"r0": 1, "r2": 7}]),
+], ids=["victim_after_the_asker_is_skipped", "request_preempts_itself"])
+def test_a_preempted_decode_leaves_the_rest_of_the_step_alone(r0, r1, r2, steps):
+    """r1 (priority 5) is preempted for a block in the third step; r2's prompt chunk after it in the
+    step's order still runs."""
     s = make(num_blocks=3, budget=8, block_size=8)
-    s.add(req(0, 7))
-    s.add(req(1, 1, priority=5))
-    assert step(s) == {"r0": 7, "r1": 1}
-    s.add(req(2, 8))
-    assert step(s) == {"r0": 1, "r1": 1, "r2": 6}
-    assert step(s) == {"r0": 1, "r2": 2}
+    s.add(req(0, r0))
+    s.add(req(1, r1, priority=5))
+    assert step(s) == steps[0]
+    s.add(req(2, r2))
+    assert [step(s) for _ in steps[1:]] == steps[1:]
     assert [q.request_id for q in step.last.preempted] == ["r1"]
 
 
@@ -245,19 +252,6 @@ def test_added_requests_wait_and_finish_removes_them_from_any_queue():
     s.finish(a)  # finished while running
     assert s.running == [] and not s.has_unfinished()
     assert s.bm.num_free_blocks == s.bm.num_blocks and s.bm.usage() == 0.0
-
-
-def test_a_request_that_preempts_itself_leaves_the_rest_of_the_step_alone():
-    """r1 (priority 5, decoding) needs a block and is itself the lowest priority: it goes back to
-    the queue, and r2's prompt chunk after it in the step's order still runs."""
-    s = make(num_blocks=3, budget=8, block_size=8)
-    s.add(req(0, 1))
-    s.add(req(1, 7, priority=5))
-    assert step(s) == {"r0": 1, "r1": 7}
-    s.add(req(2, 20))
-    assert step(s) == {"r0": 1, "r1": 1, "r2": 6}
-    assert step(s) == {"r0": 1, "r2": 7}
-    assert [q.request_id for q in step.last.preempted] == ["r1"]
 
 
 def test_decodes_beyond_the_budget_wait_and_a_prompt_of_one_token_is_a_prefill():
