@@ -26,13 +26,11 @@ set -euo pipefail
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=.venv/bin/python
-OUTDIR="${OUTDIR:-benchmarks/results}"
 REPEATS="${REPEATS:-2}"
 DTYPES="${DTYPES:-float32}"
-SERVE_REQUESTS="${SERVE_REQUESTS:-16}"
 PORT="${PORT:-8123}"
-mkdir -p "$OUTDIR"
+# shellcheck source=scripts/serve_bench_lib.sh
+source scripts/serve_bench_lib.sh
 
 throughput() {
     for dtype in $DTYPES; do
@@ -44,25 +42,16 @@ throughput() {
 }
 
 serve() {
-    local log server_pid peer=()
-    log="$(mktemp /tmp/tokenfab_serve.XXXXXX.log)"
-    $PY -m tokenfab serve --dtype float32 --port "$PORT" --no-access-log >"$log" 2>&1 &
-    server_pid=$!
-    trap 'kill "$server_pid" 2>/dev/null || true' RETURN
-    for _ in $(seq 1 240); do
-        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-        kill -0 "$server_pid" 2>/dev/null || { cat "$log" >&2; return 1; }
-        sleep 0.5
-    done
+    local peer=()
+    serve_bg --dtype float32 || return 1
+    trap 'kill "$SERVE_PID" 2>/dev/null || true' RETURN
     if [ -x "${LLAMA_CPP_VENV:-.venv-llamacpp}/bin/python" ]; then
         peer=(--llama-cpp)
     else
         echo "no llama.cpp peer built (scripts/llama_cpp_server.sh build): measuring tokenfab alone" >&2
     fi
-    $PY -m tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --concurrency 1,4,16 \
-        --num-requests "$SERVE_REQUESTS" --input-len 128 --output-len 64 --warmup 2 \
-        --settings dtype=float32 --settings "threads=$($PY -c 'import torch; print(torch.get_num_threads())')" \
-        --settings "weights=the GGUF's Q4_1 dequantized to float32 at load" --settings "launch=tokenfab serve --dtype float32" \
+    bench_serve --settings "weights=the GGUF's Q4_1 dequantized to float32 at load" \
+        --settings "launch=tokenfab serve --dtype float32" \
         "${peer[@]}" --json "$OUTDIR/cpu_serve_bundled.json" --markdown "$OUTDIR/cpu_serve_bundled.md" \
         --plot "$OUTDIR/cpu_serve_bundled.png"
 }

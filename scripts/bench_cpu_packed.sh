@@ -10,29 +10,16 @@
 set -euo pipefail
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=.venv/bin/python
-OUTDIR="${OUTDIR:-benchmarks/results}"
-SERVE_REQUESTS="${SERVE_REQUESTS:-16}"
 PORT="${PORT:-8124}"
 QUANT="${QUANT:-gguf}"
-mkdir -p "$OUTDIR"
+# shellcheck source=scripts/serve_bench_lib.sh
+source scripts/serve_bench_lib.sh
 
 serve() {
-    local log server_pid
-    log="$(mktemp /tmp/tokenfab_serve.XXXXXX.log)"
-    $PY -m tokenfab serve --quantization "$QUANT" --port "$PORT" --no-access-log >"$log" 2>&1 &
-    server_pid=$!
-    trap 'kill "$server_pid" 2>/dev/null || true' RETURN
-    for _ in $(seq 1 240); do
-        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-        kill -0 "$server_pid" 2>/dev/null || { cat "$log" >&2; return 1; }
-        sleep 0.5
-    done
-    grep -h "memory:" "$log" || true
-    $PY -m tokenfab bench serve --base-url "http://127.0.0.1:$PORT" --concurrency 1,4,16 \
-        --num-requests "$SERVE_REQUESTS" --input-len 128 --output-len 64 --warmup 2 \
-        --settings dtype=float32 --settings "threads=$($PY -c 'import torch; print(torch.get_num_threads())')" \
-        --settings "weights=the GGUF's Q4_1 / Q8_0 blocks kept packed (--quantization $QUANT)" \
+    serve_bg --quantization "$QUANT" || return 1
+    trap 'kill "$SERVE_PID" 2>/dev/null || true' RETURN
+    grep -h "memory:" "$SERVE_LOG" || true
+    bench_serve --settings "weights=the GGUF's Q4_1 / Q8_0 blocks kept packed (--quantization $QUANT)" \
         --settings "launch=tokenfab serve --quantization $QUANT" \
         --llama-cpp --json "$OUTDIR/cpu_packed_serve_$QUANT.json" --markdown "$OUTDIR/cpu_packed_serve_$QUANT.md" \
         --plot "$OUTDIR/cpu_packed_serve_$QUANT.png"
