@@ -107,9 +107,16 @@ def test_bench_throughput_rounds_warmup_and_report(tiny_llama_dir, tmp_path, mon
     assert "worst round" in md and "- transformers (batch 3): " in md and "param_dtypes=" in md
 
 
+@pytest.mark.slow
 def test_bench_throughput_fresh_processes_both_allocator_settings(tiny_llama_dir, tmp_path):
     """The default: each engine run is spawned in its own process; --allocator both runs every
-    round with glibc tuned in both processes and in neither."""
+    round with glibc tuned in both processes and in neither.
+
+    Slow (four spawned interpreters, each importing torch and transformers). Fast twins: the
+    spawning helper (throughput.in_fresh_process) runs in
+    tests/engine/test_bench_engine.py::test_bench_engine_runs_each_engine_in_a_fresh_process, the
+    rounds and report in test_bench_throughput_rounds_warmup_and_report (--same-process), glibc
+    tuning in tests/engine/test_cpu_setup.py::test_allocator_tuning."""
     out = tmp_path / "report.json"
     rc = main(["bench", "throughput", "--model", tiny_llama_dir, "--num-requests", "2", "--min-prompt-len", "4",
                "--max-prompt-len", "6", "--output-len", "3", "--hf-batch-sizes", "2", "--warmup-requests", "1",
