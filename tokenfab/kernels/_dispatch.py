@@ -18,7 +18,8 @@ custom-op dispatcher on CPU).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -75,21 +76,71 @@ def choose(t: torch.Tensor, triton_fn: Callable, native_fn: Callable | None, ref
     return ref_fn(*args, **kwargs)
 
 
-def eager_op(op: Callable, ref: Callable, native_op: Callable | None = None) -> Callable:
+def eager_op(op: Callable, ref: Callable, native_op: Callable | None = None,
+             triton_fn: Callable | None = None) -> Callable:
     """An op's eager entry point (what layers call), dispatched by ``backend`` on its first argument.
 
     ``op`` is the registered custom op (Triton inside its body), which is also what runs under
     ``torch.compile``; ``native_op`` (same signature) returns None for tensors it cannot take.
     On CPU this skips the custom-op dispatcher (tens of microseconds a call, which adds up to
-    milliseconds a step over a model's ~200 op calls).
+    milliseconds a step over a model's ~200 op calls). ``triton_fn``: the Triton launcher, called
+    directly instead of through ``op`` (skipping the dispatcher on GPU too).
     """
 
     @functools.wraps(ref)
     def call(first: torch.Tensor, *args, **kwargs):
         if torch.compiler.is_compiling():
             return op(first, *args, **kwargs)
-        return choose(first, op, native_op, ref, first, *args, **kwargs)
+        return choose(first, triton_fn or op, native_op, ref, first, *args, **kwargs)
 
     call.op = op  # type: ignore[attr-defined]
     call.ref = ref  # type: ignore[attr-defined]
+    return call
+
+
+def kernel_op(
+    name: str,
+    triton_fn: Callable,
+    ref: Callable,
+    fake: Callable,
+    *,
+    native: Callable | None = None,
+    signature: Callable | None = None,
+    mutates_args: Sequence[str] = (),
+    doc: str | None = None,
+) -> torch.library.CustomOpDef:
+    """Register ``tokenfab::<name>``, the op ``torch.compile`` traces, from one declaration.
+
+    Its schema is the signature of ``signature`` (default: ``ref``, the plain-PyTorch reference
+    of the same signature, kernel rule 2), so the parameter list is written for the reference and
+    the Triton launcher only. Its body runs ``choose`` on the first argument (Triton, the native
+    C kernel when ``native`` is given, else the reference); ``fake`` computes the output's shape
+    and dtype (it may take ``(*args)``: trailing arguments left at their defaults can be omitted).
+    """
+
+    def body(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()))
+        return choose(first, triton_fn, native, ref, *args, **kwargs)
+
+    body.__signature__ = inspect.signature(signature or ref, eval_str=True)  # type: ignore[attr-defined]
+    body.__name__ = body.__qualname__ = name
+    body.__module__ = (signature or ref).__module__
+    body.__doc__ = doc or (signature or ref).__doc__
+    op = torch.library.custom_op(f"tokenfab::{name}", body, mutates_args=tuple(mutates_args))
+    op.register_fake(fake)
+    return op
+
+
+def checked(ref: Callable, check: Callable) -> Callable:
+    """``ref`` after ``check``, which gets every argument (defaults applied) by keyword: the argument
+    checks a Triton launcher makes, run on the reference path of an op too."""
+    sig = inspect.signature(ref)
+
+    @functools.wraps(ref)
+    def call(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        check(**bound.arguments)
+        return ref(*args, **kwargs)
+
     return call

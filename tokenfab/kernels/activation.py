@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -91,25 +91,11 @@ def _gelu_and_mul_triton(x: torch.Tensor, approximate: str) -> torch.Tensor:
     return _act_and_mul(x, 1 if approximate == "none" else 2)
 
 
-@torch.library.custom_op("tokenfab::silu_and_mul", mutates_args=())
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
-        return _silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
-
-
-@silu_and_mul.register_fake
-def _(x):
+def _gated_fake(x: torch.Tensor, *_) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-@torch.library.custom_op("tokenfab::gelu_and_mul", mutates_args=())
-def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    if use_triton(x):
-        return _gelu_and_mul_triton(x, approximate)
-    return gelu_and_mul_ref(x, approximate)
+silu_and_mul = kernel_op("silu_and_mul", _silu_and_mul_triton, silu_and_mul_ref, _gated_fake)
 
 
-@gelu_and_mul.register_fake
-def _(x, approximate="none"):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+gelu_and_mul = kernel_op("gelu_and_mul", _gelu_and_mul_triton, gelu_and_mul_ref, _gated_fake)

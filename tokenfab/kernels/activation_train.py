@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 BLOCK = 1024
@@ -139,31 +139,17 @@ def _act_bwd_torch(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return dg, dout * _act_torch(gate, act)
 
 
-@torch.library.custom_op("tokenfab::act_and_mul_train_fwd", mutates_args=())
-def act_and_mul_train_fwd(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    """act(gate) * up; ``act`` one of "silu", "gelu" (erf), "gelu_tanh"."""
-    if use_triton(gate):
-        return _act_fwd_triton(gate, up, act)
-    return _act_fwd_torch(gate, up, act)
+act_and_mul_train_fwd = kernel_op(
+    "act_and_mul_train_fwd", _act_fwd_triton, _act_fwd_torch, lambda gate, *_: torch.empty_like(gate),
+    doc='act(gate) * up; ``act`` one of "silu", "gelu" (erf), "gelu_tanh".',
+)
 
 
-@act_and_mul_train_fwd.register_fake
-def _(gate, up, act):
-    return torch.empty_like(gate)
-
-
-@torch.library.custom_op("tokenfab::act_and_mul_train_bwd", mutates_args=())
-def act_and_mul_train_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                          act: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) from the upstream gradient and the saved inputs."""
-    if use_triton(gate):
-        return _act_bwd_triton(dout, gate, up, act)
-    return _act_bwd_torch(dout, gate, up, act)
-
-
-@act_and_mul_train_bwd.register_fake
-def _(dout, gate, up, act):
-    return torch.empty_like(gate), torch.empty_like(up)
+act_and_mul_train_bwd = kernel_op(
+    "act_and_mul_train_bwd", _act_bwd_triton, _act_bwd_torch,
+    lambda dout, gate, up, *_: (torch.empty_like(gate), torch.empty_like(up)),
+    doc="(d gate, d up) from the upstream gradient and the saved inputs.",
+)
 
 
 class ActAndMulTrainFunction(torch.autograd.Function):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenfab.kernels._dispatch import choose
+from tokenfab.kernels._dispatch import kernel_op
 from tokenfab.kernels.attention_decode import _paged_decode_attention_triton, decode_config
 from tokenfab.kernels.attention_prefill import PREFILL_TILES, _prefill_attention_triton, prefill_config
 from tokenfab.kernels.attention_ref import (
@@ -148,30 +148,12 @@ def _invariant_extend_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, co
     return out.index_copy_(0, rows, torch.where(keep[:, None, None], dec, out.index_select(0, rows)))
 
 
-@torch.library.custom_op("tokenfab::paged_attention", mutates_args=())
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    scale: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The model's one attention call per layer per step (mixed prefill/decode batch)."""
-    return choose(q, _paged_attention_triton, paged_attention_native, paged_attention_ref, q, k_cache, v_cache,
-                  block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale, sliding_window,
-                  softcap, sinks, k_scale, v_scale)
-
-
-@paged_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len,
-      scale, sliding_window=0, softcap=0.0, sinks=None, k_scale=None, v_scale=None):
+def _paged_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *_) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+
+paged_attention = kernel_op(
+    "paged_attention", _paged_attention_triton, paged_attention_ref, _paged_attention_fake,
+    native=paged_attention_native,
+    doc="The model's one attention call per layer per step (mixed prefill/decode batch).",
+)

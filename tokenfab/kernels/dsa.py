@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 from tokenfab.kernels.dsa_indexer import (  # noqa: F401 (the indexer's public names, re-exported)
     _dsa_index_scores_triton,
     _dsa_topk_triton,
@@ -204,26 +204,11 @@ def _dsa_sparse_attention_triton(
     return out
 
 
-@torch.library.custom_op("tokenfab::dsa_sparse_attention", mutates_args=())
-def dsa_sparse_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """MLA (absorbed form) over each token's selected keys only (an fp8 cache: with its ``kv_scale``)."""
-    if use_triton(q):
-        return _dsa_sparse_attention_triton(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale,
-                                            kv_lora_rank, kv_scale)
-    return dsa_sparse_attention_ref(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale,
-                                    kv_lora_rank, kv_scale)
+def _latent_out_fake(q: torch.Tensor, *args) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], args[6])  # kv_lora_rank
 
 
-@dsa_sparse_attention.register_fake
-def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, indices, scale, kv_lora_rank, kv_scale=None):
-    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+dsa_sparse_attention = kernel_op(
+    "dsa_sparse_attention", _dsa_sparse_attention_triton, dsa_sparse_attention_ref, _latent_out_fake,
+    doc="MLA (absorbed form) over each token's selected keys only (an fp8 cache: with its ``kv_scale``).",
+)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 from tokenfab.kernels.mla_ref import REF_CHUNK_ELEMENTS
 from tokenfab.kernels.paged import flat_cache, gather_kv
 
@@ -290,29 +290,14 @@ def topk_config(n_cols: int) -> dict:
     return dict(BLOCK=min(1024, max(16, next_pow2(n_cols))), num_warps=4)
 
 
-@torch.library.custom_op("tokenfab::dsa_topk_indices", mutates_args=())
-def dsa_topk_indices(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    index_offset: int,
-    topk: int,
-) -> torch.Tensor:
-    """The lightning indexer: [T, topk] int32 positions of the keys each token attends to (-1: none)."""
-    if use_triton(q):
-        scores = _dsa_index_scores_triton(q, weights, kv_cache, block_tables, cu_seqlens_q, context_lens,
-                                          max_query_len, max_context_len, index_offset)
-        return _dsa_topk_triton(scores, topk)
-    return dsa_topk_indices_ref(q, weights, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len,
-                                max_context_len, index_offset, topk)
+def _dsa_topk_indices_triton(*args) -> torch.Tensor:
+    """The Triton path: every key's index score (``_dsa_index_scores_triton``), then the top-k of them."""
+    *score_args, topk = args
+    return _dsa_topk_triton(_dsa_index_scores_triton(*score_args), topk)
 
 
-@dsa_topk_indices.register_fake
-def _(q, weights, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, index_offset,
-      topk):
-    return q.new_empty(q.shape[0], topk, dtype=torch.int32)
+dsa_topk_indices = kernel_op(
+    "dsa_topk_indices", _dsa_topk_indices_triton, dsa_topk_indices_ref,
+    lambda q, *args: q.new_empty(q.shape[0], args[-1], dtype=torch.int32),
+    doc="The lightning indexer: [T, topk] int32 positions of the keys each token attends to (-1: none).",
+)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 #: The cache dtype of the FP8 KV cache, and its largest finite value (stored values clamp to +-FP8_MAX).
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -212,23 +212,7 @@ def _store_kv_triton(
     )
 
 
-@torch.library.custom_op("tokenfab::store_kv", mutates_args=("k_cache", "v_cache"))
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Write the step's keys and values into the paged cache (fp8 caches: quantized with the scales)."""
-    if use_triton(k):
-        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-@store_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    return None
+store_kv = kernel_op(
+    "store_kv", _store_kv_triton, store_kv_ref, lambda *_: None, mutates_args=("k_cache", "v_cache"),
+    doc="Write the step's keys and values into the paged cache (fp8 caches: quantized with the scales).",
+)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 from tokenfab.kernels.batch_invariant import batch_invariant
 from tokenfab.kernels.kv_cache import (
     _store_kv_triton,
@@ -343,48 +343,18 @@ def _store_latent_triton(latent: torch.Tensor, rest: torch.Tensor, kv_cache: tor
                      slot_mapping, scale, scale)
 
 
-@torch.library.custom_op("tokenfab::store_latent", mutates_args=("kv_cache",))
-def store_latent(latent: torch.Tensor, rest: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 scale: torch.Tensor | None = None) -> None:
-    """MLA's cache write: latent [T, r] and rope key (+ more) [T, n] (or [T, 1, n]) into one row per token
-    (an fp8 cache: quantized with ``scale``)."""
-    if use_triton(latent):
-        _store_latent_triton(latent, rest, kv_cache, slot_mapping, scale)
-    else:
-        store_latent_ref(latent, rest, kv_cache, slot_mapping, scale)
+store_latent = kernel_op(
+    "store_latent", _store_latent_triton, store_latent_ref, lambda *_: None, mutates_args=("kv_cache",),
+    doc="MLA's cache write: latent [T, r] and rope key (+ more) [T, n] (or [T, 1, n]) into one row per token\n"
+    "(an fp8 cache: quantized with ``scale``).",
+)
 
 
-@store_latent.register_fake
-def _(latent, rest, kv_cache, slot_mapping, scale=None):
-    return None
+def _mla_fake(q: torch.Tensor, *args) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], args[7])  # kv_lora_rank
 
 
-@torch.library.custom_op("tokenfab::mla_attention", mutates_args=())
-def mla_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    max_context_len: int,
-    scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The MLA layer's one attention call per step (mixed prefill/decode batch), absorbed form."""
-    if use_triton(q):
-        return _mla_attention_triton(
-            q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-            kv_lora_rank, kv_scale,
-        )
-    return mla_attention_ref(
-        q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-        kv_lora_rank, kv_scale,
-    )
-
-
-@mla_attention.register_fake
-def _(q, kv_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, max_context_len, scale,
-      kv_lora_rank, kv_scale=None):
-    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+mla_attention = kernel_op(
+    "mla_attention", _mla_attention_triton, mla_attention_ref, _mla_fake,
+    doc="The MLA layer's one attention call per step (mixed prefill/decode batch), absorbed form.",
+)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import checked, kernel_op
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
 from tokenfab.kernels.moe_common import (
     down_epilogue,
@@ -51,7 +51,7 @@ def moe_activation_ref(
     return (u + 1) * (g * torch.sigmoid(g * alpha))
 
 
-def _check_experts(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation) -> None:
+def _check_experts(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, **_) -> None:
     _check_activation(activation)
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("fused_experts expects hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]")
@@ -311,43 +311,14 @@ def _moe_sum_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("tokenfab::moe_sum", mutates_args=())
-def moe_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over each token's k expert outputs: [T, k, H] -> [T, H]."""
-    if use_triton(x):
-        return _moe_sum_triton(x)
-    return moe_sum_ref(x)
+moe_sum = kernel_op(
+    "moe_sum", _moe_sum_triton, moe_sum_ref, lambda x: x.new_empty(x.shape[0], x.shape[2]),
+    doc="Sum over each token's k expert outputs: [T, k, H] -> [T, H].",
+)
 
 
-@moe_sum.register_fake
-def _(x):
-    return x.new_empty(x.shape[0], x.shape[2])
-
-
-@torch.library.custom_op("tokenfab::fused_experts", mutates_args=())
-def fused_experts(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    activation: str = "silu",
-    swiglu_alpha: float = 1.702,
-    swiglu_limit: float = 7.0,
-) -> torch.Tensor:
-    """The routed experts of one MoE layer; see the module docstring and ``fused_experts_ref``."""
-    if use_triton(hidden):
-        return _fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation,
-                                     swiglu_alpha, swiglu_limit)
-    _check_experts(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
-    return fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation,
-                             swiglu_alpha, swiglu_limit)
-
-
-@fused_experts.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation="silu",
-      swiglu_alpha=1.702, swiglu_limit=7.0):
-    return hidden.new_empty(hidden.shape)
-
+fused_experts = kernel_op(
+    "fused_experts", _fused_experts_triton, checked(fused_experts_ref, _check_experts),
+    lambda hidden, *_: hidden.new_empty(hidden.shape), signature=fused_experts_ref,
+    doc="The routed experts of one MoE layer; see the module docstring and ``fused_experts_ref``.",
+)

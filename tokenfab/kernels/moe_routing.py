@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import checked, kernel_op
 
 
 def topk_softmax_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +213,7 @@ def _grouped_topk_kernel(
     tl.store(ids_ptr + out, ids, mask=omask)
 
 
-def _check_grouped(logits: torch.Tensor, correction_bias, top_k, num_groups, topk_groups, scoring) -> None:
+def _check_grouped(logits: torch.Tensor, correction_bias, top_k, num_groups, topk_groups, scoring, **_) -> None:
     _check_routing(logits, top_k)
     e = logits.shape[1]
     if num_groups < 1 or e % num_groups:
@@ -259,42 +259,19 @@ def _grouped_topk_triton(
     return w, ids
 
 
-@torch.library.custom_op("tokenfab::topk_softmax", mutates_args=())
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing; see ``topk_softmax_ref``."""
-    if use_triton(logits):
-        return _topk_softmax_triton(logits, top_k, renormalize)
-    return topk_softmax_ref(logits, top_k, renormalize)
-
-
-@topk_softmax.register_fake
-def _(logits, top_k, renormalize):
+def _topk_fake(logits: torch.Tensor, top_k: int, *_) -> tuple[torch.Tensor, torch.Tensor]:
     t = logits.shape[0]
     return (logits.new_empty(t, top_k, dtype=torch.float32), logits.new_empty(t, top_k, dtype=torch.int32))
 
 
-@torch.library.custom_op("tokenfab::grouped_topk", mutates_args=())
-def grouped_topk(
-    logits: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    top_k: int,
-    num_groups: int,
-    topk_groups: int,
-    renormalize: bool,
-    routed_scaling_factor: float = 1.0,
-    scoring: str = "sigmoid",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-limited (DeepSeek) routing; see ``grouped_topk_ref``."""
-    if use_triton(logits):
-        return _grouped_topk_triton(logits, correction_bias, top_k, num_groups, topk_groups, renormalize,
-                                    routed_scaling_factor, scoring)
-    _check_grouped(logits, correction_bias, top_k, num_groups, topk_groups, scoring)
-    return grouped_topk_ref(logits, correction_bias, top_k, num_groups, topk_groups, renormalize,
-                            routed_scaling_factor, scoring)
+topk_softmax = kernel_op(
+    "topk_softmax", _topk_softmax_triton, topk_softmax_ref, _topk_fake,
+    doc="Softmax top-k routing; see ``topk_softmax_ref``.",
+)
 
 
-@grouped_topk.register_fake
-def _(logits, correction_bias, top_k, num_groups, topk_groups, renormalize, routed_scaling_factor=1.0,
-      scoring="sigmoid"):
-    t = logits.shape[0]
-    return (logits.new_empty(t, top_k, dtype=torch.float32), logits.new_empty(t, top_k, dtype=torch.int32))
+grouped_topk = kernel_op(
+    "grouped_topk", _grouped_topk_triton, checked(grouped_topk_ref, _check_grouped),
+    lambda logits, bias, top_k, *_: _topk_fake(logits, top_k), signature=grouped_topk_ref,
+    doc="Group-limited (DeepSeek) routing; see ``grouped_topk_ref``.",
+)

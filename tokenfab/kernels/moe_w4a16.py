@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import choose, use_triton
+from tokenfab.kernels._dispatch import eager_op, kernel_op
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
 from tokenfab.kernels.moe_common import (
     down_epilogue,
@@ -231,42 +231,14 @@ def _fused_experts_w4a16_triton(
     return _moe_sum_triton(pair_out.view(t, k, h))
 
 
-@torch.library.custom_op("tokenfab::fused_experts_w4a16", mutates_args=())
-def fused_experts_w4a16(
-    hidden: torch.Tensor,
-    w13_q: torch.Tensor,
-    w13_s: torch.Tensor,
-    w2_q: torch.Tensor,
-    w2_s: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    w13_g: torch.Tensor | None = None,
-    w2_g: torch.Tensor | None = None,
-    codec: str = "int4",
-    activation: str = "silu",
-    swiglu_alpha: float = 1.702,
-    swiglu_limit: float = 7.0,
-) -> torch.Tensor:
-    """The routed experts of one MoE layer with 4-bit packed weights; see the module docstring."""
-    if use_triton(hidden):
-        return _fused_experts_w4a16_triton(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias,
-                                           w2_bias, w13_g, w2_g, codec, activation, swiglu_alpha, swiglu_limit)
-    return fused_experts_w4a16_ref(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias, w2_bias,
-                                   w13_g, w2_g, codec, activation, swiglu_alpha, swiglu_limit)
+fused_experts_w4a16 = kernel_op(
+    "fused_experts_w4a16", _fused_experts_w4a16_triton, fused_experts_w4a16_ref,
+    lambda hidden, *_: hidden.new_empty(hidden.shape),
+    doc="The routed experts of one MoE layer with 4-bit packed weights; see the module docstring.",
+)
 
 
-@fused_experts_w4a16.register_fake
-def _(hidden, w13_q, w13_s, w2_q, w2_s, topk_weights, topk_ids, w13_bias=None, w2_bias=None, w13_g=None,
-      w2_g=None, codec="int4", activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0):
-    return hidden.new_empty(hidden.shape)
-
-
-def fused_experts_w4a16_eager(*args, **kwargs) -> torch.Tensor:
-    """What layers call: the custom op under ``torch.compile``, else by the dispatch rule Triton, the
-    C kernel per expert (CPU) or the reference (skipping the custom-op dispatcher on CPU)."""
-    if torch.compiler.is_compiling():
-        return fused_experts_w4a16(*args, **kwargs)
-    return choose(args[0], _fused_experts_w4a16_triton, fused_experts_w4a16_native, fused_experts_w4a16_ref,
-                  *args, **kwargs)
+# What layers call: the custom op under ``torch.compile``, else by the dispatch rule Triton, the C kernel
+# per expert (CPU) or the reference (skipping the custom-op dispatcher on CPU).
+fused_experts_w4a16_eager = eager_op(fused_experts_w4a16, fused_experts_w4a16_ref, fused_experts_w4a16_native,
+                                     triton_fn=_fused_experts_w4a16_triton)

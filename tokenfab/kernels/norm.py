@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,27 +166,8 @@ def _add_rms_norm_triton(
     return _launch_norm(x, residual, weight, eps, residual.dtype)
 
 
-@torch.library.custom_op("tokenfab::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
-        return _rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+rms_norm = kernel_op("rms_norm", _rms_norm_triton, rms_norm_ref, lambda x, *_: torch.empty_like(x))
 
 
-@rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("tokenfab::add_rms_norm", mutates_args=("residual",))
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    if use_triton(x):
-        return _add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_ref(x, residual, weight, eps)
-
-
-@add_rms_norm.register_fake
-def _(x, residual, weight, eps):
-    return torch.empty_like(x)
+add_rms_norm = kernel_op("add_rms_norm", _add_rms_norm_triton, add_rms_norm_ref, lambda x, *_: torch.empty_like(x),
+                         mutates_args=("residual",))

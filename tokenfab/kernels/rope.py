@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -156,19 +156,7 @@ def _rotary_embedding_triton(
     return qo, ko
 
 
-@torch.library.custom_op("tokenfab::rotary_embedding", mutates_args=())
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(q):
-        return _rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
-    return rotary_embedding_ref(positions, q, k, cos_sin_cache, is_neox)
-
-
-@rotary_embedding.register_fake
-def _(positions, q, k, cos_sin_cache, is_neox):
-    return torch.empty_like(q), torch.empty_like(k)
+rotary_embedding = kernel_op(
+    "rotary_embedding", _rotary_embedding_triton, rotary_embedding_ref,
+    lambda positions, q, k, *_: (torch.empty_like(q), torch.empty_like(k)),
+)

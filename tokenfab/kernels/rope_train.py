@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -128,17 +128,10 @@ def _rope_train_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bac
     return (x * c + torch.cat((xs[..., half:], -xs[..., :half]), dim=-1)).to(x.dtype)
 
 
-@torch.library.custom_op("tokenfab::rope_train", mutates_args=())
-def rope_train_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """One of q / k rotated (``backward``: the transposed rotation, applied to an upstream gradient)."""
-    if use_triton(x):
-        return _rope_train_triton(x, cos, sin, backward)
-    return _rope_train_torch(x, cos, sin, backward)
-
-
-@rope_train_op.register_fake
-def _(x, cos, sin, backward):
-    return torch.empty_like(x)
+rope_train_op = kernel_op(
+    "rope_train", _rope_train_triton, _rope_train_torch, lambda x, *_: torch.empty_like(x),
+    doc="One of q / k rotated (``backward``: the transposed rotation, applied to an upstream gradient).",
+)
 
 
 class RopeTrainFunction(torch.autograd.Function):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import use_triton
+from tokenfab.kernels._dispatch import kernel_op
 
 _M32 = 0xFFFFFFFF
 
@@ -301,20 +301,6 @@ def _sample_triton(
     return out
 
 
-@torch.library.custom_op("tokenfab::sample", mutates_args=())
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-) -> torch.Tensor:
-    if use_triton(logits):
-        return _sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
-    return sample_ref(logits, temperature, top_k, top_p, min_p, seeds)
-
-
-@sample.register_fake
-def _(logits, temperature, top_k, top_p, min_p, seeds):
-    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+sample = kernel_op(
+    "sample", _sample_triton, sample_ref, lambda logits, *_: logits.new_empty(logits.shape[0], dtype=torch.int64)
+)

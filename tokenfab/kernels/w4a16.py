@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 # isort: on
 
-from tokenfab.kernels._dispatch import choose, use_triton
+from tokenfab.kernels._dispatch import eager_op, kernel_op
 from tokenfab.kernels.cpu.w4a16 import w4a16_native
 from tokenfab.kernels.moe_common import grouped_tile
 
@@ -329,40 +329,14 @@ def _w4a16_gemm_triton(
     return out.view(*shape[:-1], n)
 
 
-@torch.library.custom_op("tokenfab::w4a16_gemm", mutates_args=())
-def w4a16_gemm(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    codec: str,
-    in_features: int,
-) -> torch.Tensor:
-    """x [..., K] times a 4-bit packed [N, K] weight; see the module docstring."""
-    if use_triton(x):
-        return _w4a16_gemm_triton(x, qweight, scales, global_scale, bias, codec, in_features)
-    return w4a16_gemm_ref(x, qweight, scales, global_scale, bias, codec, in_features)
+w4a16_gemm = kernel_op(
+    "w4a16_gemm", _w4a16_gemm_triton, w4a16_gemm_ref,
+    lambda x, qweight, *_: x.new_empty(*x.shape[:-1], qweight.shape[0]),
+    doc="x [..., K] times a 4-bit packed [N, K] weight; see the module docstring.",
+)
 
 
-@w4a16_gemm.register_fake
-def _(x, qweight, scales, global_scale, bias, codec, in_features):
-    return x.new_empty(*x.shape[:-1], qweight.shape[0])
-
-
-def w4a16_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    codec: str,
-    in_features: int,
-) -> torch.Tensor:
-    """The eager entry point layers call: the custom op under ``torch.compile``, else by the dispatch
-    rule the Triton kernel, the C kernel (``kernels/cpu/w4a16.c``: packed weights decoded a row at a
-    time) or the reference (skipping the custom-op dispatcher)."""
-    if torch.compiler.is_compiling():
-        return w4a16_gemm(x, qweight, scales, global_scale, bias, codec, in_features)
-    return choose(x, _w4a16_gemm_triton, w4a16_native, w4a16_gemm_ref, x, qweight, scales, global_scale, bias,
-                  codec, in_features)
+# The eager entry point layers call: the custom op under ``torch.compile``, else by the dispatch rule
+# the Triton kernel, the C kernel (``kernels/cpu/w4a16.c``: packed weights decoded a row at a time) or
+# the reference (skipping the custom-op dispatcher).
+w4a16_linear = eager_op(w4a16_gemm, w4a16_gemm_ref, w4a16_native, triton_fn=_w4a16_gemm_triton)
