@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests run the engine on CPU; keep torch from oversubscribing the 2 cores of CI machines.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -15,3 +17,28 @@ def pytest_runtest_teardown(item) -> None:
     process, which silently changes every later test's numerics: name the test that did it."""
     if not _subnormals_work():
         raise RuntimeError(f"{item.nodeid} left the process flushing denormals to zero (a -ffast-math link?)")
+
+
+@pytest.fixture(scope="session")
+def hf_bundled():
+    """transformers' own GGUF loading of the bundled SmolLM2 file (float32, eval), once per test
+    session: loading it dequantizes the whole file in Python and was the largest single cost of
+    the fast tier when each module that compares against it loaded its own copy. Read-only: tests
+    run forwards and read weights, never modify it."""
+    import importlib.util
+
+    import torch
+    import transformers
+    import transformers.modeling_utils
+
+    from tokenfab.loader.bundled import bundled_model_path
+
+    path = bundled_model_path()
+    with pytest.MonkeyPatch.context() as mp:
+        if importlib.util.find_spec("accelerate") is None:
+            # from_pretrained refuses GGUF files without `accelerate` installed, although loading
+            # onto the CPU without a device_map never uses it.
+            mp.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    return model.eval()

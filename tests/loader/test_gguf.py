@@ -3,7 +3,6 @@ bundled SmolLM2 file against transformers' own GGUF loading."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -426,20 +425,10 @@ def bundled() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_model(bundled: Path):
-    """transformers' own GGUF loading of the bundled file (fp32), once per module."""
-    import transformers
-    import transformers.modeling_utils
-
-    with pytest.MonkeyPatch.context() as mp:
-        if importlib.util.find_spec("accelerate") is None:
-            # from_pretrained refuses GGUF files without `accelerate` installed, although loading
-            # onto the CPU without a device_map never uses it.
-            mp.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(bundled.parent), gguf_file=bundled.name, dtype=torch.float32
-        )
-    return model
+def hf_model(hf_bundled):
+    """transformers' own GGUF loading of the bundled file (fp32): the session's shared copy
+    (tests/conftest.py)."""
+    return hf_bundled
 
 
 def test_bundled_matches_transformers(bundled: Path, hf_model) -> None:
