@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
@@ -55,6 +55,15 @@ def _integral(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 Text = Annotated[str, AfterValidator(_no_surrogates)]
+
+
+def _checked_text(value: Any) -> Any:
+    check_text(value)
+    return value
+
+
+# A JSON object from the client (a schema, a tool's parameters) whose strings must all be valid Unicode.
+JsonObject = Annotated[dict[str, Any], AfterValidator(_checked_text)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -80,14 +89,8 @@ class JsonSchemaFormat(_Request):
     name: Text = "response"
     description: Text | None = None
     # "schema" shadows a BaseModel attribute name in pydantic; keep it under an alias.
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-    @field_validator("json_schema")
-    @classmethod
-    def _check_schema_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_text(v)
-        return v
 
 
 class ResponseFormat(_Request):
@@ -178,14 +181,8 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments")
+    parameters: JsonObject | None = Field(default=None, description="a JSON schema of the arguments")
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _check_parameters_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_text(v)
-        return v
 
 
 class ChatTool(_Request):

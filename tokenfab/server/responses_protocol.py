@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag
 
-from tokenfab.server.protocol import INT32_MAX, FunctionDefinition, Int, Text, _Request, check_text
+from tokenfab.server.protocol import INT32_MAX, FunctionDefinition, Int, JsonObject, Text, _Request
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
@@ -121,14 +121,8 @@ class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
     description: Text | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-    @field_validator("json_schema")
-    @classmethod
-    def _check_schema_text(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_text(v)
-        return v
 
 
 class TextConfig(_Request):
