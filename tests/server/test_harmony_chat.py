@@ -15,18 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+from tests.server.harmony_skip import skip_without_harmony_vocab
 
-
-def _vocab_missing() -> str | None:
-    try:
-        ensure_harmony_vocab()
-        return None
-    except HarmonyVocabUnavailable as e:
-        return str(e)
-
-
-pytestmark = pytest.mark.skipif(_vocab_missing() is not None, reason=f"no offline o200k: {_vocab_missing()}")
+pytestmark = skip_without_harmony_vocab()
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Zürich"]}},
            "required": ["city"], "additionalProperties": False}

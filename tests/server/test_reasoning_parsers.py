@@ -9,13 +9,14 @@ import random
 import jinja2
 import pytest
 
+from tests.server.harmony_skip import skip_without_harmony_vocab
 from tokenfab.server.reasoning import (
     REASONING_PARSERS,
     get_reasoning_parser,
     join_pieces,
     reasoning_parser_for_model,
 )
-from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable
 
 THINK_PARSERS = ["deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2"]
 ON = {"deepseek_r1": {}, "deepseek_v3": {"thinking": True}, "qwen3": {"enable_thinking": True},
@@ -198,15 +199,7 @@ def test_template_round_trip(name, thinking):
 
 # ---------------------------------------------------------------- GPT-OSS (Harmony)
 
-def _harmony_available() -> str | None:
-    try:
-        ensure_harmony_vocab()
-        return None
-    except HarmonyVocabUnavailable as e:
-        return str(e)
-
-
-harmony = pytest.mark.skipif(_harmony_available() is not None, reason=f"no offline o200k: {_harmony_available()}")
+harmony = skip_without_harmony_vocab()
 
 
 @harmony

@@ -18,6 +18,7 @@ import pytest
 
 from tests.server.conftest import GREEDY_CHAT, GREEDY_MAX_TOKENS, LiveServer
 from tests.server.fake_engine import FakeEngine
+from tests.server.harmony_skip import harmony_vocab_missing
 from tests.server.inprocess import assert_error, fake_server, sse_events
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
@@ -579,19 +580,9 @@ def test_event_builder_orders_items_and_numbers_events() -> None:
 
 
 # ---- GPT-OSS (Harmony), a tiny random model: the Responses API is its native one ----
-def _harmony_missing() -> str | None:
-    from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
-
-    try:
-        ensure_harmony_vocab()
-        return None
-    except HarmonyVocabUnavailable as e:
-        return str(e)
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: Any) -> Any:
-    if (why := _harmony_missing()) is not None:
+    if (why := harmony_vocab_missing()) is not None:
         pytest.skip(f"no offline o200k: {why}")
     from tests.server.harmony_model import save_tiny_gpt_oss
     from tokenfab import LLM

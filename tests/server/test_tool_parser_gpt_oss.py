@@ -8,18 +8,9 @@ import random
 
 import pytest
 
-from tokenfab.server.reasoning.harmony_vocab import HarmonyVocabUnavailable, ensure_harmony_vocab
+from tests.server.harmony_skip import skip_without_harmony_vocab
 
-
-def _vocab_missing() -> str | None:
-    try:
-        ensure_harmony_vocab()
-        return None
-    except HarmonyVocabUnavailable as e:
-        return str(e)
-
-
-pytestmark = pytest.mark.skipif(_vocab_missing() is not None, reason=f"no offline o200k: {_vocab_missing()}")
+pytestmark = skip_without_harmony_vocab()
 
 ANALYSIS = "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
 ARGS = '{"city": "Zürich 🌧", "options": {"units": ["c", "f"], "days": 3, "nested": {"a": null}}}'
