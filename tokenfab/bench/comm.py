@@ -14,14 +14,12 @@ informational: gloo over loopback and 2 cores say nothing about NVLink.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import tempfile
 import time
 from typing import Any
 
 from tokenfab.bench.common import git_commit, load_average, machine, markdown_table, write_json
+from tokenfab.bench.gloo_ranks import run_on_ranks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,38 +83,13 @@ def decode_run(model: str | None, batch: int, prompt_len: int, steps: int, seed:
             "config": engine.model.config.to_dict()}
 
 
-def _rank(rank: int, tp: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
-    import torch
-
-    from tokenfab.distributed import parallel_state as ps
-
-    torch.set_num_threads(threads)
-    ps.init_distributed(rank, tp, init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    ps.init_parallel(tp)
-    if args[-1]:  # --ep: the MoE layers expert-parallel over the TP group, normal mode (what plan models)
-        from tokenfab.distributed import ep_dispatch
-
-        ps.init_expert_parallel(True)
-        ep_dispatch.set_ep_mode("normal")
-    try:
-        res = decode_run(*args[:-1])
-    finally:
-        ps.destroy_parallel()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-
-
 def run_tp(tp: int, model: str | None, batch: int, prompt_len: int, steps: int, threads: int = 1,
            ep: bool = False) -> list[dict]:
-    """``decode_run`` on ``tp`` spawned gloo ranks; every rank's result."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """``decode_run`` on ``tp`` spawned gloo ranks; every rank's result. ``ep``: the MoE layers
+    expert-parallel over the TP group, normal mode (what plan models)."""
     with tempfile.TemporaryDirectory(prefix="tokenfab-comm-") as out:
-        mp.spawn(_rank, args=(tp, port, out, threads, (model, batch, prompt_len, steps, ep)), nprocs=tp, join=True)
-        return [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(tp)]
+        return run_on_ranks(decode_run, (model, batch, prompt_len, steps), tp, out, threads,
+                            "normal" if ep else None)
 
 
 def plan_bytes_per_token(config: dict[str, Any], tp: int, batch: int, ep: bool = False) -> float:

@@ -13,13 +13,13 @@ competes with the other micro-batch's compute for the same cores, and loopback i
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import tempfile
 import time
 from typing import Any
+
+from tokenfab.bench.gloo_ranks import run_on_ranks
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -81,36 +81,12 @@ def step_times(model: str, sizes: list[int], seqs: int, steps: int) -> list[dict
     return rows
 
 
-def _rank(rank: int, tp: int, port: int, out_dir: str, threads: int, args: tuple) -> None:
-    import torch
-
-    from tokenfab.distributed import parallel_state as ps
-
-    torch.set_num_threads(threads)
-    ps.init_distributed(rank, tp, init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    ps.init_parallel(tp)
-    if args[-1]:
-        ps.init_expert_parallel(True)
-    try:
-        res = step_times(*args[:-1])
-    finally:
-        ps.destroy_parallel()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-
-
 def run_tbo(tp: int, model: str | None, sizes: list[int], seqs: int, steps: int, threads: int = 1,
             ep: bool = False) -> list[list[dict]]:
     """``step_times`` on ``tp`` spawned gloo ranks (a random Llama when ``model`` is None)."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="tokenfab-tbo-") as out:
         model = model or random_llama(os.path.join(out, "model"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(tp, port, out, threads, (model, sizes, seqs, steps, ep)), nprocs=tp, join=True)
-        return [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(tp)]
+        return run_on_ranks(step_times, (model, sizes, seqs, steps), tp, out, threads, "" if ep else None)
 
 
 def run(args: Any) -> int:
