@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tokenfab import LLM, SamplingParams
-from tokenfab.loader.bundled import bundled_model_path
 
 TEXTS = ["The capital of France is Paris, and the capital of Italy is", "def add(a, b):\n    return a + b\n" * 3]
 K = 3
@@ -26,13 +25,10 @@ def prompts(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(prompts):
-    """transformers' float32 log-softmax of every position of each prompt."""
-    import transformers
-
-    path = bundled_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+def hf_logprobs(prompts, hf_bundled):
+    """transformers' float32 log-softmax of every position of each prompt (the session's shared
+    transformers copy of the bundled model, tests/conftest.py)."""
+    hf = hf_bundled
     with torch.no_grad():
         return [torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1) for ids in prompts]
 
