@@ -89,8 +89,8 @@ def parse_batched_bench(text: str) -> list[dict[str, float]]:
 
 
 def batched_bench_header(text: str) -> str | None:
-    """The ``main: n_kv_max = ..., n_threads = ...`` line above the table (its settings)."""
-    return next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("main: n_kv_max")), None)
+    """The ``<function>: n_kv_max = ..., n_threads = ...`` line above the table (its settings)."""
+    return next((ln.strip() for ln in text.splitlines() if ": n_kv_max = " in ln), None)
 
 
 def _run(cmd: list[str], timeout: float) -> str:
