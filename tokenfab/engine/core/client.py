@@ -42,7 +42,7 @@ from tokenfab.engine.core import ipc
 from tokenfab.engine.core.launch import CoreLaunch, load_tokenizer
 from tokenfab.engine.core.process import EXIT_TP_WORKER_DIED, pid_alive, pid_fd
 from tokenfab.engine.core.wakeup import WakeupPipe
-from tokenfab.engine.intake import RequestLimits
+from tokenfab.engine.intake import RequestLimits, tokenize_prompt
 from tokenfab.engine.output_processor import OutputProcessor
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import RequestOutput
@@ -235,12 +235,7 @@ class EngineCoreClient:
         params = params or SamplingParams()
         if request_id in self._inflight:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        else:
-            ids = [int(t) for t in prompt]
+        ids = list(tokenize_prompt(self.tokenizer, prompt)[1])  # as LLMEngine tokenizes (engine/intake.py)
         self.check_request(ids, params)
         if not self.has_unfinished_requests():  # work starts now: the hang clock too
             self._last_heard = time.monotonic()

@@ -38,6 +38,7 @@ from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core.client import EngineCoreClient
 from tokenfab.engine.core.launch import CoreLaunch, load_tokenizer
 from tokenfab.engine.core.wakeup import WakeupPipe
+from tokenfab.engine.intake import tokenize_prompt
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
@@ -215,12 +216,7 @@ class DPClient:
                     priority: int = 0, cache_salt: str | None = None) -> None:
         if request_id in self.owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        else:
-            ids = [int(t) for t in prompt]
+        ids = list(tokenize_prompt(self.tokenizer, prompt)[1])
         keys = prefix_keys(ids, self.block_size, cache_salt)
         while True:
             loads = [None if self.dead[i] is not None else _load(c) for i, c in enumerate(self.clients)]
