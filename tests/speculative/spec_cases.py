@@ -47,3 +47,18 @@ def check_greedy_identity(plain: LLM, spec: LLM, tight: LLM, prompts: list[list[
     assert tight.engine.scheduler.num_preemptions_total > pre
     for llm in (spec, tight):
         assert llm.engine.spec.num_draft_tokens > 0  # drafts were verified
+
+
+def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(the sequence's tokens, its drafts) for every drafting sequence of every step."""
+    prop = llm.engine.spec.proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    orig = prop.draft
+
+    def spy(seqs, ks):
+        out, qs = orig(seqs, ks)
+        seen.extend((list(s.token_ids), d) for s, k, d in zip(seqs, ks, out) if k)
+        return out, qs
+
+    prop.draft = spy
+    return seen

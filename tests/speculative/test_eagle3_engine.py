@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.speculative.spec_cases import check_greedy_identity, outputs, plain_llm, random_prompts
+from tests.speculative.spec_cases import check_greedy_identity, outputs, plain_llm, random_prompts, record_drafts
 from tests.speculative.test_eagle3 import reference_head, write_tiny_eagle3
 from tests.tiny_models import save_tiny_model, tiny_config
 from tokenfab import LLM, SamplingParams
@@ -34,21 +34,6 @@ def make(tmp_path_factory, model_type: str):
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def case(request, tmp_path_factory):
     return make(tmp_path_factory, request.param)
-
-
-def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(the sequence's tokens, its drafts) for every drafting sequence of every step."""
-    prop = llm.engine.spec.proposer
-    seen: list[tuple[list[int], list[int]]] = []
-    orig = prop.draft
-
-    def spy(seqs, ks):
-        out, qs = orig(seqs, ks)
-        seen.extend((list(s.token_ids), d) for s, k, d in zip(seqs, ks, out) if k)
-        return out, qs
-
-    prop.draft = spy
-    return seen
 
 
 def reference_drafts(hf, w, tokens: list[int], n: int) -> list[int] | None:

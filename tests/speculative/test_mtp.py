@@ -20,13 +20,13 @@ from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
 LAYERS = 2  # the MTP layer sits at index 2
 
 
-def _write_mtp_layer(path, config, shared: bool, seed: int = 1):
-    """transformers' decoder layer (random, larger weights) + enorm/hnorm/eh_proj/shared_head, saved
-    as an extra shard under model.layers.{LAYERS}.*; returns (hf layer, MTP extras)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
+def write_mtp_layer(path, layer_cls, config, index: int, shared: bool = True, seed: int = 1):
+    """transformers' decoder layer ``layer_cls`` at ``index`` (random, larger weights) + enorm/hnorm/
+    eh_proj/shared_head (and, unless ``shared``, the MTP layer's own embedding and head), saved as an
+    extra shard under model.layers.{index}.* in DeepSeek's published layout (one tensor per expert);
+    returns (hf layer, MTP extras)."""
     torch.manual_seed(seed)
-    layer = randomize_(DeepseekV3DecoderLayer(config, layer_idx=LAYERS))
+    layer = randomize_(layer_cls(config, layer_idx=index))
     h, v = config.hidden_size, config.vocab_size
     extras = {"enorm.weight": 1 + 0.2 * torch.randn(h), "hnorm.weight": 1 + 0.2 * torch.randn(h),
               "eh_proj.weight": 0.2 * torch.randn(h, 2 * h), "shared_head.norm.weight": 1 + 0.2 * torch.randn(h)}
@@ -45,7 +45,7 @@ def _write_mtp_layer(path, config, shared: bool, seed: int = 1):
         else:
             tensors[k] = t
     tensors |= extras
-    save_file({f"model.layers.{LAYERS}.{k}": t.contiguous() for k, t in tensors.items()},
+    save_file({f"model.layers.{index}.{k}": t.contiguous() for k, t in tensors.items()},
               str(path / "mtp.safetensors"))
     return layer, extras
 
@@ -77,10 +77,11 @@ def _reference(hf_target, hf_layer, extras, ids: list[int], prev: torch.Tensor) 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-embed-head", "shared-embed-head"])
 def test_mtp_forward_matches_the_restatement(tmp_path, shared):
     import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     hf = save_tiny_deepseek(tmp_path, num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
     config = transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, "num_hidden_layers": LAYERS})
-    hf_layer, extras = _write_mtp_layer(tmp_path, config, shared)
+    hf_layer, extras = write_mtp_layer(tmp_path, DeepseekV3DecoderLayer, config, LAYERS, shared)
     target = load_model(tmp_path, torch.float32, torch.device("cpu"), load_tokenizer=False).model
     assert num_mtp_layers(target.config) == 1 and target.mtp_weights
     mtp = load_mtp(target)

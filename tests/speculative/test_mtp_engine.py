@@ -16,42 +16,15 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.models.test_deepseek import DEEPSEEK_COMMON, save_tiny_deepseek
 from tests.models.test_deepseek_dsa import save_tiny_dsa
-from tests.speculative.spec_cases import check_greedy_identity, outputs, plain_llm, random_prompts
-from tests.speculative.test_mtp import _reference
-from tests.tiny_models import randomize_
+from tests.speculative.spec_cases import check_greedy_identity, outputs, plain_llm, random_prompts, record_drafts
+from tests.speculative.test_mtp import _reference, write_mtp_layer
 from tokenfab import LLM
 from tokenfab.engine.llm_engine import LLMEngine
 
 CFG = {"method": "mtp", "num_speculative_tokens": 3}
-
-
-def write_mtp_layer(path, layer_cls, config, index: int, seed: int = 1):
-    """transformers' decoder layer at ``index`` (random, N(0, 0.2)) + the MTP extras (embedding and
-    head shared with the target), one tensor per expert; returns (hf layer, extras)."""
-    torch.manual_seed(seed)
-    layer = randomize_(layer_cls(config, layer_idx=index))
-    h = config.hidden_size
-    extras = {"enorm.weight": 1 + 0.2 * torch.randn(h), "hnorm.weight": 1 + 0.2 * torch.randn(h),
-              "eh_proj.weight": 0.2 * torch.randn(h, 2 * h), "shared_head.norm.weight": 1 + 0.2 * torch.randn(h)}
-    tensors = {}
-    for k, t in layer.state_dict().items():
-        if k == "mlp.experts.gate_up_proj":
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                tensors[f"mlp.experts.{e}.gate_proj.weight"] = t[e, :inter]
-                tensors[f"mlp.experts.{e}.up_proj.weight"] = t[e, inter:]
-        elif k == "mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                tensors[f"mlp.experts.{e}.down_proj.weight"] = t[e]
-        else:
-            tensors[k] = t
-    save_file({f"model.layers.{index}.{k}": t.contiguous() for k, t in (tensors | extras).items()},
-              str(path / "mtp.safetensors"))
-    return layer, extras
 
 
 def deepseek_case(path):
@@ -93,16 +66,7 @@ def test_first_draft_follows_the_restatement_and_outputs_are_unchanged(tmp_path)
     hf, layer, extras = deepseek_case(tmp_path)
     kw = dict(block_size=4, num_kv_blocks=128)
     spec = LLM(model=str(tmp_path), speculative_config=CFG, **kw)
-    seen = []
-    prop = spec.engine.spec.proposer
-    orig = prop.draft
-
-    def spy(seqs, ks):
-        out, qs = orig(seqs, ks)
-        seen.extend((list(s.token_ids), d) for s, k, d in zip(seqs, ks, out) if k)
-        return out, qs
-
-    prop.draft = spy
+    seen = record_drafts(spec)
     prompts = random_prompts(320, (3, 21))
     assert outputs(spec, prompts, 10) == outputs(plain_llm(str(tmp_path), **kw), prompts, 10)
     checked = 0
