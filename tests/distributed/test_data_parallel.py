@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.distributed.engine_client import drain
 from tokenfab import LLM, SamplingParams
 from tokenfab.engine.core.dp_client import AFFINITY_SLACK, Router, merge_stats, prefix_keys
 from tokenfab.engine.requests.errors import EngineDeadError
@@ -102,16 +103,6 @@ def expected() -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _drain(client, rids: set[str], timeout: float = 300) -> dict[str, object]:
-    done: dict[str, object] = {}
-    deadline = time.monotonic() + timeout
-    while rids - done.keys() and time.monotonic() < deadline:
-        for out in client.step(200):
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 @pytest.mark.slow
 def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_requests(expected):
     from tokenfab.engine.args import EngineArgs
@@ -121,7 +112,7 @@ def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_re
     try:
         for i, p in enumerate(PROMPTS):  # all at once: the least-loaded rule spreads them
             client.add_request(f"r{i}", p, GREEDY)
-        done = _drain(client, {f"r{i}" for i in range(len(PROMPTS))})
+        done = drain(client, {f"r{i}" for i in range(len(PROMPTS))})
         assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
         assert min(client.router.routed) >= 2, client.router.routed
         stats = client.get_stats()
@@ -134,7 +125,7 @@ def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_re
         assert set(owners.values()) == {0, 1}
         client.step(200)
         os.kill(client.clients[1].core_pid, signal.SIGKILL)
-        done = _drain(client, set(owners), timeout=600)
+        done = drain(client, set(owners), timeout=600)
         assert set(done) == set(owners)
         for rid, r in owners.items():
             co = done[rid].outputs[0]
@@ -145,7 +136,7 @@ def test_two_replicas_same_tokens_both_used_and_a_dead_replica_fails_only_its_re
         assert not client.is_dead
         client.add_request("after", PROMPTS[0], GREEDY)  # routed around the dead replica
         assert client.owner["after"] == 0
-        assert _drain(client, {"after"})["after"].outputs[0].token_ids == expected[0]
+        assert drain(client, {"after"})["after"].outputs[0].token_ids == expected[0]
         os.kill(client.clients[0].core_pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while not client.is_dead and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.distributed.engine_client import drain
 from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.executors.dp_lockstep import Lockstep, validate_dp_ep
 
@@ -174,16 +175,6 @@ def deepseek(tmp_path_factory) -> tuple[str, list[list[int]]]:
     return str(path), refs
 
 
-def _drain(client, rids: set[str], timeout: float = 300) -> dict:
-    done: dict = {}
-    deadline = time.monotonic() + timeout
-    while rids - done.keys() and time.monotonic() < deadline:
-        for out in client.step(200):
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def _gone(pid: int, timeout: float) -> bool:
     from tokenfab.engine.core.process import pid_alive
 
@@ -213,12 +204,12 @@ def test_dp2_ep_replicas_give_one_process_tokens_and_die_together(deepseek):
         assert client.lockstep
         for i, p in enumerate(PROMPTS):  # all at once: both replicas get some
             client.add_request(f"r{i}", list(p), params)
-        done = _drain(client, {f"r{i}" for i in range(len(PROMPTS))})
+        done = drain(client, {f"r{i}" for i in range(len(PROMPTS))})
         assert [list(done[f"r{i}"].outputs[0].token_ids) for i in range(len(PROMPTS))] == refs
         assert min(client.router.routed) >= 2, client.router.routed
         # one replica busy, the other idle (it runs the empty MoE pass): still one process's tokens
         client.add_request("solo", list(PROMPTS[2]), params)
-        assert list(_drain(client, {"solo"})["solo"].outputs[0].token_ids) == refs[2]
+        assert list(drain(client, {"solo"})["solo"].outputs[0].token_ids) == refs[2]
         # a replica dies: the other cannot go on (its collectives would hang): it exits, all dead
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         client.add_request("long0", list(PROMPTS[0]), long)
@@ -226,7 +217,7 @@ def test_dp2_ep_replicas_give_one_process_tokens_and_die_together(deepseek):
         client.step(200)
         survivor = client.clients[0].core_pid
         os.kill(client.clients[1].core_pid, signal.SIGKILL)
-        done = _drain(client, {"long0", "long1"}, timeout=60)
+        done = drain(client, {"long0", "long1"}, timeout=60)
         assert set(done) == {"long0", "long1"}
         assert all(o.outputs[0].finish_reason == "error" for o in done.values())
         assert client.is_dead

@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.engine.block_holders import check_holders, free_all
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.sequence import Sequence
@@ -79,21 +80,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def bookkeeping(self):
-        self.bm.check_invariants()
-        held: dict[int, int] = {}
-        for seq in self.live:
-            assert len(set(seq.block_table)) == len(seq.block_table)
-            for b in seq.block_table:
-                held[b] = held.get(b, 0) + 1
-        for b in range(self.bm.num_blocks):
-            assert self.bm.ref_counts[b] == held.get(b, 0)
-        assert self.bm.num_free_blocks + len(held) == self.bm.num_blocks
+        check_holders(self.bm, self.live)
 
     def teardown(self):
-        for seq in self.live:
-            self.bm.free(seq)
-        assert all(r == 0 for r in self.bm.ref_counts)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        free_all(self.bm, self.live)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -14,6 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.engine.block_holders import check_holders, free_all
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.sequence import Sequence
@@ -91,16 +92,9 @@ class Machine(RuleBasedStateMachine):
 
     @invariant()
     def holders_and_counts(self):
-        self.bm.check_invariants()
-        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        holders = check_holders(self.bm, self.live)
         for seq in self.live:
-            assert len(set(seq.block_table)) == len(seq.block_table)
             assert len(seq.block_table) * BS >= seq.num_computed_tokens
-            for j, b in enumerate(seq.block_table):
-                holders.setdefault(b, []).append((seq, j))
-        for b in range(self.bm.num_blocks):
-            assert self.bm.ref_counts[b] == len(holders.get(b, []))
-        assert self.bm.num_free_blocks + len(holders) == self.bm.num_blocks
         assert self.bm.num_used_blocks == len(holders)
         # a block in two tables: the same position, and the same salt and tokens up to its end
         for hs in holders.values():
@@ -111,10 +105,7 @@ class Machine(RuleBasedStateMachine):
                     assert s.token_ids[: (j + 1) * BS] == s0.token_ids[: (j + 1) * BS]
 
     def teardown(self):
-        for seq in self.live:
-            self.bm.free(seq)
-        assert all(r == 0 for r in self.bm.ref_counts)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        free_all(self.bm, self.live)
 
 
 Machine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)

@@ -18,9 +18,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -28,6 +25,7 @@ import httpx
 import pytest
 import zmq
 
+from tests.engine.fake_core import fake_core_process
 from tokenfab.engine.core import client as core_client
 from tokenfab.engine.core import ipc
 from tokenfab.engine.core.async_engine import AsyncEngine
@@ -37,13 +35,7 @@ from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
 # answers hello; once a request arrives, beats (an empty outputs) every 0.1 s; requests never finish
-_BEATING_CORE = textwrap.dedent("""
-    import sys, time, zmq
-    from tokenfab.engine.core import ipc
-    sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(sys.argv[1])
-    info = {"model_name": "fake", "max_model_len": 64, "vocab_size": 100, "eos_token_ids": [0],
-            "kv_cache_tokens": 640, "scheduling_policy": "fcfs", "pid": 0, "stats": None}
+_BEATING_LOOP = """
     working = set()
     while True:
         if sock.poll(100):
@@ -55,18 +47,13 @@ _BEATING_CORE = textwrap.dedent("""
                 working.add(ident)
         for ident in working:
             sock.send_multipart([ident, ipc.encode("outputs", [], None)])
-""")
+"""
 
 
 @pytest.fixture
 def beating_core(tmp_path):
-    address = f"ipc://{tmp_path}/fake.sock"
-    proc = subprocess.Popen([sys.executable, "-c", _BEATING_CORE, address])
-    yield address, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)
-        proc.kill()
-    proc.wait()
+    with fake_core_process(tmp_path, _BEATING_LOOP) as core:
+        yield core
 
 
 def test_sigstopped_core_is_declared_dead_and_killed(beating_core):

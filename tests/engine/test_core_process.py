@@ -14,9 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -24,6 +21,7 @@ import msgpack
 import pytest
 import zmq
 
+from tests.engine.fake_core import fake_core_process
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
 from tokenfab.engine.core.client import EngineCoreClient
@@ -275,28 +273,18 @@ def test_core_rejects_a_request_it_cannot_take(core):
 
 
 # ---- death -------------------------------------------------------------------------------------
-_FAKE_CORE = textwrap.dedent("""
-    import sys, zmq
-    from tokenfab.engine.core import ipc
-    sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(sys.argv[1])
-    info = {"model_name": "fake", "max_model_len": 64, "vocab_size": 100, "eos_token_ids": [0],
-            "kv_cache_tokens": 640, "scheduling_policy": "fcfs", "pid": 0, "stats": None}
+_SILENT_LOOP = """
     while True:  # answers hello, swallows everything else (requests never finish)
         ident, frame = sock.recv_multipart()
         if ipc.decode(frame)[0] == "hello":
             sock.send_multipart([ident, ipc.encode("ready", info)])
-""")
+"""
 
 
 @pytest.fixture
 def fake_core(tmp_path):
-    address = f"ipc://{tmp_path}/fake.sock"
-    proc = subprocess.Popen([sys.executable, "-c", _FAKE_CORE, address])
-    yield address, proc
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    with fake_core_process(tmp_path, _SILENT_LOOP) as core:
+        yield core
 
 
 def test_a_killed_core_is_noticed_at_once(fake_core):

@@ -44,13 +44,22 @@ def step(s: Scheduler) -> dict[str, int]:
     return {seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)}
 
 
+def crowded(priorities: tuple[int, ...] = (0, 0, 0), steps: int = 2) -> tuple[Scheduler, list[Sequence]]:
+    """Three 7-token prompts (r0, r1, r2; these priorities) in 6 blocks, after ``steps`` steps: after 2,
+    each has 8 tokens in its 2 blocks, and the next decode needs a 7th block (a preemption)."""
+    s = make(num_blocks=6)
+    seqs = [req(i, 7, priority=p) for i, p in enumerate(priorities)]
+    for q in seqs:
+        s.add(q)
+    for _ in range(steps):
+        step(s)
+    return s, seqs
+
+
 def test_preemption_takes_the_newest_request_first():
     """Three 7-token prompts fill 6 blocks; the first decode past 8 tokens needs a 7th block.
     The newest (r2) must go, not the oldest, and not the one asking."""
-    s = make(num_blocks=6)
-    seqs = [req(i, 7) for i in range(3)]
-    for q in seqs:
-        s.add(q)
+    s, seqs = crowded(steps=0)
     assert step(s) == {"r0": 7, "r1": 7, "r2": 7}
     assert step(s) == {"r0": 1, "r1": 1, "r2": 1}  # 8 tokens each: still 2 blocks
     assert step(s) == {"r0": 1, "r1": 1}
@@ -61,24 +70,13 @@ def test_preemption_takes_the_newest_request_first():
 
 
 def test_preemption_takes_the_lowest_priority_first_even_if_oldest():
-    s = make(num_blocks=6)
-    seqs = [req(0, 7, priority=5), req(1, 7), req(2, 7)]
-    for q in seqs:
-        s.add(q)
-    step(s)
-    step(s)
+    s, seqs = crowded(priorities=(5, 0, 0))
     assert step(s) == {"r1": 1, "r2": 1}
     assert step.last.preempted == [seqs[0]]
 
 
 def test_preempted_request_keeps_its_place_in_line_and_resumes():
-    s = make(num_blocks=6, budget=1000)
-    seqs = [req(i, 7) for i in range(3)]
-    for q in seqs:
-        s.add(q)
-    step(s)
-    step(s)
-    step(s)  # r2 preempted
+    s, seqs = crowded(steps=3)  # r2 preempted
     late = req(3, 2)
     s.add(late)
     assert s.waiting == [seqs[2], late]  # re-queued by arrival, ahead of the later request
@@ -91,12 +89,7 @@ def test_preempted_request_keeps_its_place_in_line_and_resumes():
 
 
 def test_no_admission_in_a_step_that_preempted():
-    s = make(num_blocks=6)
-    seqs = [req(i, 7) for i in range(3)]
-    for q in seqs:
-        s.add(q)
-    step(s)
-    step(s)
+    s, _ = crowded()
     s.add(req(3, 1))  # would fit in the block r2's preemption frees
     assert step(s) == {"r0": 1, "r1": 1}
     assert step.last.preempted and [q.request_id for q in s.waiting] == ["r2", "r3"]
@@ -266,13 +259,7 @@ def test_decodes_beyond_the_budget_wait_and_a_prompt_of_one_token_is_a_prefill()
 
 
 def test_preemptions_are_counted_per_request():
-    s = make(num_blocks=6)
-    seqs = [req(i, 7) for i in range(3)]
-    for q in seqs:
-        s.add(q)
-    step(s)
-    step(s)
-    step(s)  # r2 preempted once
+    s, seqs = crowded(steps=3)  # r2 preempted once
     s.finish(seqs[0])
     step(s)  # r2 back (9 tokens: 3 blocks), r1 decoding
     while seqs[2].num_preemptions < 2:
