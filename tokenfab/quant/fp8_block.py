@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.quant import FP8, FP8_MAX, GROUP_K, dequantize_fp8, fp8_linear
-from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
+from tokenfab.quant.base import QuantMethod, check_shape
 from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
 from tokenfab.quant.fp8_experts import FP8Experts
+from tokenfab.quant.sharded_linear import ShardedQuantLinear
 
 BLOCK = 128
 
@@ -36,7 +36,7 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class FP8Linear(QuantizedModule):
+class FP8Linear(ShardedQuantLinear):
     """``y = x @ (q * scales).T + bias`` with q float8 [N, K] kept in memory.
 
     ``scheme``: "block" (128x128 block scales, ``weight_scale_inv``), "channel" (one scale per
@@ -49,22 +49,17 @@ class FP8Linear(QuantizedModule):
     each full checkpoint tensor this rank keeps (``_tp_part``); a row-parallel layer all-reduces.
     """
 
-    tp_split = None  # layers.tp_split.TPSplit at TP > 1
-    reduce_output = False
-
     def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  scheme: str = "block", ue8m0: bool = False, online: bool = False,
                  static_input: bool = False, act: str | None = None, cpu_act_quant: bool = False) -> None:
         super().__init__()
         if scheme not in ("block", "channel"):
             raise ValueError(f"scheme must be block or channel, not {scheme!r}")
-        self.in_features, self.shard_sizes = in_features, list(shard_sizes)
-        self.out_features = sum(self.shard_sizes)
+        shards = self._set_shards(in_features, shard_sizes)
         self.scheme, self.ue8m0, self.online, self.dtype = scheme, ue8m0, online, dtype
         # activations: per token and 128 channels (block), per token, or the static input_scale
         self.act = "static" if static_input else act or ("group" if scheme == "block" else "token")
         self.cpu_act_quant = cpu_act_quant
-        self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
         n, k = self.out_features, in_features
         kb = _cdiv(k, BLOCK)
         if scheme == "block" and all(o % BLOCK == 0 for o in self.offsets):
@@ -77,20 +72,10 @@ class FP8Linear(QuantizedModule):
         self.register_buffer("weight_scale", torch.empty(grid, dtype=torch.float32))
         self.register_buffer("bias", torch.empty(n, dtype=dtype) if bias else None)
         self.register_buffer("input_scale", torch.zeros(1, dtype=torch.float32) if static_input else None)
-        shards: list[int | None] = list(range(len(self.shard_sizes))) if len(self.shard_sizes) > 1 else [None]
         self.expect(["weight"] + ([] if online else ["weight_scale_inv" if scheme == "block" else "weight_scale"])
                     + (["bias"] if bias else []) + (["input_scale"] if static_input else []), shards)
 
     # ------------------------------------------------------------------ loading
-
-    def _rows(self, shard: int | None) -> tuple[int, int]:
-        if shard is None:
-            if len(self.shard_sizes) > 1:
-                raise ValueError("a merged projection's tensor arrived without its shard index")
-            return 0, self.out_features
-        if not 0 <= shard < len(self.shard_sizes):
-            raise ValueError(f"shard {shard} out of range 0..{len(self.shard_sizes) - 1}")
-        return self.offsets[shard], self.offsets[shard] + self.shard_sizes[shard]
 
     def _put_scales(self, lo: int, hi: int, grid: torch.Tensor) -> None:
         """Place a shard's scale grid ([ceil(rows/128), kb] block or [rows, 1] channel)."""
@@ -117,10 +102,7 @@ class FP8Linear(QuantizedModule):
             return split.take(t.reshape(-1, 1), shard, what="weight_scale")
         return t  # per-tensor scales, per-channel scales of a row-parallel layer, input_scale
 
-    def load_quantized(self, suffix: str, tensor: torch.Tensor, shard: int | None) -> bool:
-        if self.tp_split is not None:
-            tensor = self._tp_part(suffix, tensor, shard)
-        lo, hi = self._rows(shard)
+    def _load_rows(self, suffix: str, tensor: torch.Tensor, lo: int, hi: int) -> bool:
         rows, k = hi - lo, self.in_features
         if suffix == "weight":
             check_shape("weight", tensor, (rows, k))
@@ -150,12 +132,8 @@ class FP8Linear(QuantizedModule):
                 raise ValueError(f"input_scale must be one value (per tensor), got shape {tuple(tensor.shape)}")
             # merged shards share one activation quantization: the largest scale covers them all
             self.input_scale.copy_(torch.maximum(self.input_scale, tensor.float().reshape(1)))
-        elif suffix == "bias" and self.bias is not None:
-            check_shape("bias", tensor, (rows,))
-            self.bias[lo:hi].copy_(tensor)
         else:
             return False
-        self.mark(suffix, shard)
         return True
 
     # ------------------------------------------------------------------ compute
@@ -163,7 +141,7 @@ class FP8Linear(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_linear(x, self.qweight, self.weight_scale, self.group_n, self.bias, self.ue8m0, self.input_scale,
                        self.act, self.cpu_act_quant)
-        return tp_all_reduce(y) if self.reduce_output else y
+        return self._reduced(y)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -15,48 +15,33 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokenfab.distributed.parallel_state import tp_all_reduce
 from tokenfab.kernels.w4a16 import GROUP_SIZE, dequantize_w4, w4a16_linear
-from tokenfab.quant.base import QuantizedModule, check_shape
+from tokenfab.quant.base import check_shape
+from tokenfab.quant.sharded_linear import ShardedQuantLinear
 
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class W4Linear(QuantizedModule):
+class W4Linear(ShardedQuantLinear):
     """``y = x @ dequant(qweight, scales).T * global_scale + bias``; see the module docstring.
     Tensor parallel: ``tp_split`` / ``reduce_output`` as on the layer it replaces (loader/quant_apply.py)."""
-
-    tp_split = None  # layers.tp_split.TPSplit at TP > 1
-    reduce_output = False
 
     def __init__(self, in_features: int, shard_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  codec: str) -> None:
         super().__init__()
         if codec not in ("int4", "nvfp4"):
             raise ValueError(f"W4Linear codec must be int4 or nvfp4, not {codec!r}")
-        self.in_features, self.shard_sizes = in_features, list(shard_sizes)
-        self.out_features = sum(self.shard_sizes)
+        shards = self._set_shards(in_features, shard_sizes)
         self.codec, self.dtype = codec, dtype
-        self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
         n, k, g = self.out_features, in_features, GROUP_SIZE[codec]
         self.register_buffer("qweight", torch.zeros(n, _cdiv(k, 2), dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(n, _cdiv(k, g), dtype=dtype if codec == "int4" else torch.uint8))
         self.register_buffer("global_scale", torch.ones(n, dtype=torch.float32) if codec == "nvfp4" else None)
         self.register_buffer("bias", torch.zeros(n, dtype=dtype) if bias else None)
-        shards: list[int | None] = list(range(len(self.shard_sizes))) if len(self.shard_sizes) > 1 else [None]
         wanted = ["weight_packed", "weight_scale"] if codec == "int4" else ["weight", "weight_scale", "weight_scale_2"]
         self.expect(wanted + (["bias"] if bias else []), shards)
-
-    def _rows(self, shard: int | None) -> tuple[int, int]:
-        if shard is None:
-            if len(self.shard_sizes) > 1:
-                raise ValueError("a merged projection's tensor arrived without its shard index")
-            return 0, self.out_features
-        if not 0 <= shard < len(self.shard_sizes):
-            raise ValueError(f"shard {shard} out of range 0..{len(self.shard_sizes) - 1}")
-        return self.offsets[shard], self.offsets[shard] + self.shard_sizes[shard]
 
     def _tp_part(self, suffix: str, t: torch.Tensor, shard: int | None) -> torch.Tensor:
         """Tensor parallel: this rank's part of a full checkpoint tensor. Column-parallel: its rows;
@@ -82,10 +67,7 @@ class W4Linear(QuantizedModule):
             return split.take(t, shard, unit=g, what=suffix)
         return t  # weight_scale_2, input_scale: one value
 
-    def load_quantized(self, suffix: str, tensor: torch.Tensor, shard: int | None) -> bool:
-        if self.tp_split is not None:
-            tensor = self._tp_part(suffix, tensor, shard)
-        lo, hi = self._rows(shard)
+    def _load_rows(self, suffix: str, tensor: torch.Tensor, lo: int, hi: int) -> bool:
         rows, k = hi - lo, self.in_features
         if self.codec == "int4" and suffix == "weight_packed":
             if tensor.dtype != torch.int32:
@@ -115,17 +97,13 @@ class W4Linear(QuantizedModule):
             self.global_scale[lo:hi] = tensor.float().reshape(())
         elif self.codec == "nvfp4" and suffix == "input_scale":
             pass  # the activation scale of FP4 activations: W4A16 keeps activations in 16 bits
-        elif suffix == "bias" and self.bias is not None:
-            check_shape("bias", tensor, (rows,))
-            self.bias[lo:hi].copy_(tensor)
         else:
             return False
-        self.mark(suffix, shard)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = w4a16_linear(x, self.qweight, self.scales, self.global_scale, self.bias, self.codec, self.in_features)
-        return tp_all_reduce(y) if self.reduce_output else y
+        return self._reduced(y)
 
     @property
     def weight(self) -> torch.Tensor:
