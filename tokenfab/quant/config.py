@@ -41,6 +41,14 @@ class UnsupportedQuantization(ValueError):
     """A factory's refusal of a variant of its method (the message says what is supported)."""
 
 
+def skipped_modules(qc: dict, *keys: str) -> list:
+    """The modules a config leaves unquantized: the first of ``keys`` it sets (a list), else none."""
+    value = next((qc[k] for k in keys if qc.get(k)), None) or []
+    if not isinstance(value, list):
+        raise UnsupportedQuantization(f"{keys[0]} must be a list")
+    return value
+
+
 def register_quant_method(key: str, factory: Callable[[dict], QuantMethod]) -> None:
     QUANT_METHODS[key] = factory
 

@@ -20,6 +20,7 @@ from torch import nn
 from tokenfab.kernels._dispatch import backend
 from tokenfab.kernels.cpu.fp8_matmul import fp8_dequant_native
 from tokenfab.kernels.moe import fused_experts
+from tokenfab.kernels.moe_common import experts_loop_ref
 from tokenfab.kernels.moe_fp8 import fused_experts_fp8
 from tokenfab.kernels.moe_gemm import moe_activation_ref
 from tokenfab.kernels.quant import FP8, dequantize_fp8
@@ -127,28 +128,17 @@ class FP8Experts(QuantizedModule):
         return out if out is not None else dequantize_fp8(w, s, group, torch.float32)
 
     def _forward_cpu(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """fused_experts_ref's loop over the experts that received tokens, each expert dequantized for
-        its product only (never the whole layer)."""
-        t, h = x.shape
+        """fused_experts_ref's loop over the experts that received tokens (``experts_loop_ref``), each
+        expert dequantized for its product only (never the whole layer)."""
         k = topk_ids.shape[1]
-        if t == 0:
-            return x.new_empty(0, h)
-        out = x.new_empty(t * k, h)
-        flat = topk_ids.reshape(-1).long()
-        wflat = topk_weights.reshape(-1).float()
-        order = torch.argsort(flat, stable=True)
-        start = 0
         native = backend(x, native=True) == "native"
-        for e, c in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if c == 0:
-                continue
-            pairs = order[start:start + c]
-            start += c
+
+        def expert(e: int, pairs: torch.Tensor) -> torch.Tensor:
             gu = F.linear(x[pairs // k].float(), self._expert("w13", e, native))
             act = moe_activation_ref(gu, self.activation, self.swiglu_alpha, self.swiglu_limit).to(x.dtype)
-            y = F.linear(act.float(), self._expert("w2", e, native))
-            out[pairs] = (y * wflat[pairs, None]).to(out.dtype)
-        return out.view(t, k, h).float().sum(dim=1).to(x.dtype)
+            return F.linear(act.float(), self._expert("w2", e, native))
+
+        return experts_loop_ref(x, topk_weights, topk_ids, self.num_experts, expert)
 
     def num_weight_params(self) -> int:
         return self.w13.numel() + self.w2.numel()

@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenfab.kernels.moe_w4a16 import fused_experts_w4a16_eager
 from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
-from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
+from tokenfab.quant.config import UnsupportedQuantization, register_quant_method, skipped_modules
 from tokenfab.quant.w4_linear import w4_linear_like
 
 GROUP = 32
@@ -128,10 +128,7 @@ def _factory(qc: dict) -> QuantMethod:
         targets = group.get("targets") or ["Linear"]
         if targets != ["Linear"]:
             raise UnsupportedQuantization(f"{gname}: targets {targets} (supported: [\"Linear\"])")
-    ignore = qc.get("ignore") or []
-    if not isinstance(ignore, list):
-        raise UnsupportedQuantization("ignore must be a list")
-    return Int4CTMethod(ignore)
+    return Int4CTMethod(skipped_modules(qc, "ignore"))
 
 
 register_quant_method("compressed-tensors/pack-quantized", _factory)

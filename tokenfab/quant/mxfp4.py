@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenfab.kernels.moe_w4a16 import fused_experts_w4a16_eager
 from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
-from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
+from tokenfab.quant.config import UnsupportedQuantization, register_quant_method, skipped_modules
 
 
 def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
@@ -106,10 +106,7 @@ class Mxfp4Method(QuantMethod):
 def _factory(qc: dict) -> QuantMethod:
     if qc.get("quant_method") != "mxfp4":
         raise UnsupportedQuantization(f"not an mxfp4 config: {qc.get('quant_method')!r}")
-    ignore = qc.get("modules_to_not_convert") or []
-    if not isinstance(ignore, list):
-        raise UnsupportedQuantization("modules_to_not_convert must be a list")
-    return Mxfp4Method(ignore)
+    return Mxfp4Method(skipped_modules(qc, "modules_to_not_convert"))
 
 
 register_quant_method("mxfp4", _factory)

@@ -29,7 +29,7 @@ from torch import nn
 
 from tokenfab.kernels.moe_w4a16 import fused_experts_w4a16_eager
 from tokenfab.quant.base import QuantizedModule, QuantMethod, check_shape
-from tokenfab.quant.config import UnsupportedQuantization, register_quant_method
+from tokenfab.quant.config import UnsupportedQuantization, register_quant_method, skipped_modules
 from tokenfab.quant.w4_linear import w4_linear_like
 
 
@@ -138,9 +138,7 @@ def _factory(qc: dict) -> QuantMethod:
     group = q.get("group_size", 16)
     if group != 16:
         raise UnsupportedQuantization(f"NVFP4 group_size {group} (supported: 16)")
-    exclude = q.get("exclude_modules") or q.get("ignore") or []
-    if not isinstance(exclude, list):
-        raise UnsupportedQuantization("exclude_modules must be a list")
+    exclude = skipped_modules(q, "exclude_modules", "ignore")
     return Nvfp4Method([str(e) for e in exclude], q.get("kv_cache_quant_algo"))
 
 
