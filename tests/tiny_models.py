@@ -64,6 +64,26 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def hf_greedy_tokens(path, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``ids`` from the checkpoint at ``path`` (fp32, full forward
+    per token: no cache, the independent reference)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(hf_logits(hf, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def small_engine(path, **kw):
+    """An ``LLMEngine`` on the checkpoint at ``path`` with a small paged cache (64 blocks of 4 tokens)
+    and 64-token steps, so that short prompts already span several blocks and chunks."""
+    from tokenfab.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, **kw)
+
+
 def run_capturing_logits(engine, ids: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy-generate ``max_tokens`` for one prompt through the engine, returning the tokens and
     the logits the runner produced at each step (prefill chunk ends, then each decode step)."""

@@ -180,6 +180,12 @@ def write_nvfp4_checkpoint(src: Path, dst: Path, exclude: list[str] | None = Non
     return twin
 
 
+def with_twin(root: Path, twin: dict[str, torch.Tensor]) -> Path:
+    """``root/twin``: the dequantized twin of ``root/plain`` (``write_twin``); returns ``root``."""
+    write_twin(root / "plain", root / "twin", twin)
+    return root
+
+
 def write_twin(src: Path, dst: Path, twin: dict[str, torch.Tensor]) -> Path:
     """The dequantized twin as a plain checkpoint directory (config.json without quantization)."""
     cfg = _copy_aux(src, dst)

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tests.models.test_deepseek import save_tiny_deepseek
-from tests.quant.layouts_w4 import write_int4_ct_checkpoint, write_twin
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
-from tokenfab.engine.llm_engine import LLMEngine
+from tests.quant.layouts_w4 import with_twin, write_int4_ct_checkpoint
+from tests.tiny_models import hf_greedy_tokens, run_capturing_logits, save_tiny_model, small_engine, tiny_config
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.moe import FusedMoE
 from tokenfab.quant.int4_ct import Int4Experts
@@ -29,40 +28,22 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], list(range(30, 60))]
 STEPS = 5
 
 
-def _engine(path) -> LLMEngine:
-    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
-
-
 @pytest.fixture(scope="module")
 def kimi_like(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4_deepseek")
     save_tiny_deepseek(root / "plain")
-    twin = write_int4_ct_checkpoint(root / "plain", root / "int4")  # Kimi K2's ignore list
-    write_twin(root / "plain", root / "twin", twin)
-    return root
+    return with_twin(root, write_int4_ct_checkpoint(root / "plain", root / "int4"))  # Kimi K2's ignore list
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4_llama")
     save_tiny_model(tiny_config("llama"), root / "plain")
-    twin = write_int4_ct_checkpoint(root / "plain", root / "int4", ignore=["lm_head"])
-    write_twin(root / "plain", root / "twin", twin)
-    return root
-
-
-def _hf_greedy(path, ids: list[int], n: int) -> list[int]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = list(ids)
-    for _ in range(n):
-        out.append(int(hf_logits(hf, out)[-1].argmax()))
-    return out[len(ids):]
+    return with_twin(root, write_int4_ct_checkpoint(root / "plain", root / "int4", ignore=["lm_head"]))
 
 
 def test_kimi_ignore_list_keeps_only_routed_experts_int4(kimi_like):
-    model = _engine(kimi_like / "int4").runner.model
+    model = small_engine(kimi_like / "int4").runner.model
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(isinstance(m.quant_experts, Int4Experts) for m in moes)
     assert not [n for n, m in model.named_modules() if isinstance(m, W4Linear)]
@@ -79,16 +60,16 @@ def test_kimi_ignore_list_keeps_only_routed_experts_int4(kimi_like):
 def test_kimi_like_greedy_matches_transformers_and_twin(kimi_like):
     pytest.importorskip("compressed_tensors")
     for prompt in PROMPTS:
-        tokens, logits = run_capturing_logits(_engine(kimi_like / "int4"), list(prompt), STEPS)
-        assert tokens == _hf_greedy(kimi_like / "int4", prompt, STEPS)
-        twin_tokens, twin_logits = run_capturing_logits(_engine(kimi_like / "twin"), list(prompt), STEPS)
+        tokens, logits = run_capturing_logits(small_engine(kimi_like / "int4"), list(prompt), STEPS)
+        assert tokens == hf_greedy_tokens(kimi_like / "int4", prompt, STEPS)
+        twin_tokens, twin_logits = run_capturing_logits(small_engine(kimi_like / "twin"), list(prompt), STEPS)
         assert tokens == twin_tokens
         for a, b in zip(logits, twin_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # fp32: only summation order differs
 
 
 def test_dense_llama_int4(llama):
-    model = _engine(llama / "int4").runner.model
+    model = small_engine(llama / "int4").runner.model
     w4 = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, W4Linear)}
     assert w4 == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert not isinstance(model.lm_head, W4Linear)
@@ -97,11 +78,11 @@ def test_dense_llama_int4(llama):
     q = weight_bytes_report(model)["quantized"]
     assert q["bytes_per_param"] == pytest.approx(0.5 + 4 / 32)  # nibbles + an fp32 scale per 32 (fp32 model)
     for prompt in PROMPTS:
-        tokens, logits = run_capturing_logits(_engine(llama / "int4"), list(prompt), STEPS)
-        _, twin_logits = run_capturing_logits(_engine(llama / "twin"), list(prompt), STEPS)
+        tokens, logits = run_capturing_logits(small_engine(llama / "int4"), list(prompt), STEPS)
+        _, twin_logits = run_capturing_logits(small_engine(llama / "twin"), list(prompt), STEPS)
         for a, b in zip(logits, twin_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        assert tokens == _hf_greedy(llama / "int4", prompt, STEPS)
+        assert tokens == hf_greedy_tokens(llama / "int4", prompt, STEPS)
 
 
 def test_through_triton_kernels(kimi_like, llama, monkeypatch):
@@ -109,10 +90,10 @@ def test_through_triton_kernels(kimi_like, llama, monkeypatch):
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
-    refs = {d: run_capturing_logits(_engine(d / "twin"), list(PROMPTS[0]), 2)[1] for d in (kimi_like, llama)}
+    refs = {d: run_capturing_logits(small_engine(d / "twin"), list(PROMPTS[0]), 2)[1] for d in (kimi_like, llama)}
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     for d, ref in refs.items():
-        _, got = run_capturing_logits(_engine(d / "int4"), list(PROMPTS[0]), 2)
+        _, got = run_capturing_logits(small_engine(d / "int4"), list(PROMPTS[0]), 2)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
@@ -133,11 +114,11 @@ def test_unsupported_variants_are_refused(llama, tmp_path, change, match):
     change(cfg["quantization_config"]["config_groups"]["group_0"]["weights"])
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match):
-        _engine(bad)
+        small_engine(bad)
 
 
 def test_ignored_linear_stays_float(llama):
-    model = _engine(llama / "int4").runner.model
+    model = small_engine(llama / "int4").runner.model
     assert type(model.lm_head) is not W4Linear
     assert all(type(m) is not Linear or "lm_head" in n for n, m in model.named_modules() if "layers." in n
                and n.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")))
@@ -147,7 +128,7 @@ def test_bfloat16_model(kimi_like):
     """In bf16 (scales stored in bf16, the C kernel's bf16 path, bf16 experts' activations) the logits
     stay within bf16 rounding of the dequantized twin run in bf16."""
     def engine(d):
-        return LLMEngine(model=str(d), dtype="bfloat16", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+        return small_engine(d, dtype="bfloat16")
 
     model = engine(kimi_like / "int4").runner.model
     qe = next(m for m in model.modules() if isinstance(m, FusedMoE)).quant_experts

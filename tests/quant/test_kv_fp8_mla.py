@@ -13,16 +13,12 @@ import torch
 from tests.models.test_deepseek import CASES as V3_CASES
 from tests.models.test_deepseek import save_tiny_deepseek
 from tests.models.test_deepseek_dsa import save_tiny_dsa
-from tests.tiny_models import run_capturing_logits
+from tests.tiny_models import run_capturing_logits, small_engine
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.layers.mla import MLAAttention
 
 FP8 = torch.float8_e4m3fn
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40, 41]  # longer than DSA's index_topk
-
-
-def _engine(path, **kw) -> LLMEngine:
-    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, **kw)
 
 
 def _latents(engine: LLMEngine) -> list[MLAAttention]:
@@ -36,7 +32,7 @@ def test_fp8_latent_cache(case, tmp_path):
         save_tiny_deepseek(tmp_path, **V3_CASES["v3-yarn"])
     else:
         save_tiny_dsa(case, tmp_path)
-    ref, fp8 = _engine(tmp_path), _engine(tmp_path, kv_cache_dtype="fp8")
+    ref, fp8 = small_engine(tmp_path), small_engine(tmp_path, kv_cache_dtype="fp8")
     assert all(m.kv_cache.dtype == FP8 and m.kv_scale is not None for m in _latents(fp8))
     assert fp8.memory["kv_bytes_per_token"] * 4 == ref.memory["kv_bytes_per_token"]
     _, ref_logits = run_capturing_logits(ref, PROMPT, 4)
@@ -59,8 +55,8 @@ def test_expanded_form_reads_the_fp8_cache(tmp_path, monkeypatch):
     """A long prefill chunk runs the expanded form (latents gathered, dequantized, expanded per head);
     with the same FP8 cache and scale it equals the absorbed form up to float32 rounding."""
     save_tiny_deepseek(tmp_path, **V3_CASES["v3-yarn"])
-    absorbed = run_capturing_logits(_engine(tmp_path, kv_cache_dtype="fp8"), PROMPT, 3)
+    absorbed = run_capturing_logits(small_engine(tmp_path, kv_cache_dtype="fp8"), PROMPT, 3)
     monkeypatch.setattr(MLAAttention, "expand_min_query_len", 4)
-    expanded = run_capturing_logits(_engine(tmp_path, kv_cache_dtype="fp8"), PROMPT, 3)
+    expanded = run_capturing_logits(small_engine(tmp_path, kv_cache_dtype="fp8"), PROMPT, 3)
     assert expanded[0] == absorbed[0]
     torch.testing.assert_close(expanded[1][0], absorbed[1][0], rtol=1e-4, atol=1e-4)

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from tests.moe_tiny_models import tiny_moe_config
-from tests.quant.layouts_w4 import write_mxfp4_checkpoint, write_twin
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model
-from tokenfab.engine.llm_engine import LLMEngine
+from tests.quant.layouts_w4 import with_twin, write_mxfp4_checkpoint
+from tests.tiny_models import hf_greedy_tokens, run_capturing_logits, save_tiny_model, small_engine
 from tokenfab.layers.moe import FusedMoE
 from tokenfab.quant.mxfp4 import Mxfp4Experts
 
@@ -19,31 +18,15 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11]
 STEPS = 6
 
 
-def _engine(path) -> LLMEngine:
-    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     save_tiny_model(tiny_moe_config("gpt_oss"), root / "plain")
-    twin = write_mxfp4_checkpoint(root / "plain", root / "mxfp4")
-    write_twin(root / "plain", root / "twin", twin)
-    return root
-
-
-def _hf_greedy(path, ids: list[int], n: int) -> list[int]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = list(ids)
-    for _ in range(n):
-        out.append(int(hf_logits(hf, out)[-1].argmax()))
-    return out[len(ids):]
+    return with_twin(root, write_mxfp4_checkpoint(root / "plain", root / "mxfp4"))
 
 
 def test_experts_stay_packed(ckpt):
-    model = _engine(ckpt / "mxfp4").runner.model
+    model = small_engine(ckpt / "mxfp4").runner.model
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert moes
     for moe in moes:
@@ -63,9 +46,9 @@ def test_experts_stay_packed(ckpt):
 
 
 def test_greedy_matches_transformers_and_logits_match_twin(ckpt):
-    tokens, logits = run_capturing_logits(_engine(ckpt / "mxfp4"), list(PROMPT), STEPS)
-    assert tokens == _hf_greedy(ckpt / "mxfp4", PROMPT, STEPS)
-    twin_tokens, twin_logits = run_capturing_logits(_engine(ckpt / "twin"), list(PROMPT), STEPS)
+    tokens, logits = run_capturing_logits(small_engine(ckpt / "mxfp4"), list(PROMPT), STEPS)
+    assert tokens == hf_greedy_tokens(ckpt / "mxfp4", PROMPT, STEPS)
+    twin_tokens, twin_logits = run_capturing_logits(small_engine(ckpt / "twin"), list(PROMPT), STEPS)
     assert tokens == twin_tokens
     for a, b in zip(logits, twin_logits):
         # fp32 both ways: the same weights, only the product's summation order differs
@@ -78,9 +61,9 @@ def test_through_triton_kernels(ckpt, monkeypatch):
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
-    _, ref = run_capturing_logits(_engine(ckpt / "twin"), list(PROMPT), 2)
+    _, ref = run_capturing_logits(small_engine(ckpt / "twin"), list(PROMPT), 2)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    _, got = run_capturing_logits(_engine(ckpt / "mxfp4"), list(PROMPT), 2)
+    _, got = run_capturing_logits(small_engine(ckpt / "mxfp4"), list(PROMPT), 2)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
@@ -100,4 +83,4 @@ def test_bad_blocks_are_a_clear_error(ckpt, tmp_path):
     t[name] = t[name][:, :, :1].contiguous()  # half the blocks of each row
     save_file(t, str(bad / "model.safetensors"))
     with pytest.raises((ModelLoadError, ValueError), match="gate_up_proj_blocks|w13 blocks"):
-        _engine(bad)
+        small_engine(bad)

@@ -12,30 +12,24 @@ import json
 import pytest
 import torch
 
-from tests.quant.layouts_w4 import write_nvfp4_checkpoint, write_twin
-from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, tiny_config
-from tokenfab.engine.llm_engine import LLMEngine
+from tests.quant.layouts_w4 import with_twin, write_nvfp4_checkpoint, write_twin
+from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, small_engine, tiny_config
 from tokenfab.quant.w4_linear import W4Linear
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], list(range(30, 60))]
 STEPS = 5
 
 
-def _engine(path) -> LLMEngine:
-    return LLMEngine(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
-
-
 @pytest.fixture(scope="module", params=["hf_quant_config", "quantization_config"])
 def ckpt(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("nvfp4")
     save_tiny_model(tiny_config("llama"), root / "plain")
-    twin = write_nvfp4_checkpoint(root / "plain", root / "nvfp4", via_config=request.param == "quantization_config")
-    write_twin(root / "plain", root / "twin", twin)
-    return root
+    return with_twin(root, write_nvfp4_checkpoint(root / "plain", root / "nvfp4",
+                                                  via_config=request.param == "quantization_config"))
 
 
 def test_weights_stay_packed(ckpt):
-    model = _engine(ckpt / "nvfp4").runner.model
+    model = small_engine(ckpt / "nvfp4").runner.model
     layers = [m for m in model.modules() if isinstance(m, W4Linear)]
     assert len(layers) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down; lm_head excluded
     assert not isinstance(model.lm_head, W4Linear)
@@ -55,8 +49,8 @@ def test_logits_match_twin_and_greedy_matches_transformers(ckpt):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt / "twin", dtype=torch.float32).eval()
     for prompt in PROMPTS:
-        tokens, logits = run_capturing_logits(_engine(ckpt / "nvfp4"), list(prompt), STEPS)
-        _, twin_logits = run_capturing_logits(_engine(ckpt / "twin"), list(prompt), STEPS)
+        tokens, logits = run_capturing_logits(small_engine(ckpt / "nvfp4"), list(prompt), STEPS)
+        _, twin_logits = run_capturing_logits(small_engine(ckpt / "twin"), list(prompt), STEPS)
         for a, b in zip(logits, twin_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # fp32: only summation order differs
         ids = list(prompt)
@@ -70,9 +64,9 @@ def test_through_triton_kernels(ckpt, monkeypatch):
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
-    _, ref = run_capturing_logits(_engine(ckpt / "twin"), list(PROMPTS[0]), 2)
+    _, ref = run_capturing_logits(small_engine(ckpt / "twin"), list(PROMPTS[0]), 2)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    _, got = run_capturing_logits(_engine(ckpt / "nvfp4"), list(PROMPTS[0]), 2)
+    _, got = run_capturing_logits(small_engine(ckpt / "nvfp4"), list(PROMPTS[0]), 2)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
@@ -91,7 +85,7 @@ def test_unsupported_variants_are_refused(tmp_path, change, match):
     cfg["quantization"].update(change)
     path.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match):
-        _engine(tmp_path / "q")
+        small_engine(tmp_path / "q")
 
 
 def test_moe_experts_nvfp4(tmp_path):
@@ -108,12 +102,12 @@ def test_moe_experts_nvfp4(tmp_path):
     twin = write_nvfp4_checkpoint(tmp_path / "plain", tmp_path / "nvfp4",
                                   exclude=["lm_head", "model.layers.*.mlp.gate"])
     write_twin(tmp_path / "plain", tmp_path / "twin", twin)
-    engine = _engine(tmp_path / "nvfp4")
+    engine = small_engine(tmp_path / "nvfp4")
     moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
     assert moes and all(isinstance(m.quant_experts, Nvfp4Experts) for m in moes)
     assert all(not bool((m.quant_experts.w13_g[:, 0] == m.quant_experts.w13_g[:, 1]).all()) for m in moes)
     tokens, logits = run_capturing_logits(engine, list(PROMPTS[0]), STEPS)
-    _, twin_logits = run_capturing_logits(_engine(tmp_path / "twin"), list(PROMPTS[0]), STEPS)
+    _, twin_logits = run_capturing_logits(small_engine(tmp_path / "twin"), list(PROMPTS[0]), STEPS)
     for a, b in zip(logits, twin_logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "twin", dtype=torch.float32).eval()
