@@ -126,14 +126,15 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along the last dim (rank order)."""
     s = _state
-    if s.tp_size == 1:
-        return x
     return _all_gather(x, s.tp_size, s.tp_group, -1, s.counter)
 
 
 def _all_gather(x: torch.Tensor, size: int, group: dist.ProcessGroup | None, dim: int,
                 counter: CommCounter | None) -> torch.Tensor:
-    """Every rank's ``x`` of ``group`` concatenated along ``dim`` in rank order (counted when ``counter``)."""
+    """Every rank's ``x`` of ``group`` concatenated along ``dim`` in rank order (counted when ``counter``);
+    ``x`` itself for a group of one."""
+    if size == 1:
+        return x
     if counter is not None:
         counter.add("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(size)]
@@ -208,14 +209,10 @@ def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def ep_all_gather(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every EP rank's ``x`` along dim 0 (rank order); used by expert rebalancing."""
     s = _state
-    if s.ep_size == 1:
-        return x
     return _all_gather(x, s.ep_size, s.ep_group, 0, None)
 
 
 def tp_all_gather_rows(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along dim 0 (rank order): the MoE's token split under TP + EP."""
     s = _state
-    if s.tp_size == 1:
-        return x
     return _all_gather(x, s.tp_size, s.tp_group, 0, s.counter)

@@ -175,27 +175,15 @@ def _split_rows(attend, q, k_cache, v_cache, block_tables, cu_seqlens_q, context
     return out
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
-    scale: float,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                               *options, **kw_options) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D]. ``options`` (``scale``, then the optional
+    ``sliding_window``, ``softcap``, ``sinks``, ``k_scale``, ``v_scale``): ``paged_attention_ref``'s."""
     b = q.shape[0]
     cu = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-    return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, cu, context_lens, 1, max_context_len, scale,
-        sliding_window, softcap, sinks, k_scale, v_scale,
-    )
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, context_lens, 1, max_context_len, *options,
+                               **kw_options)
 
 
 def prefill_attention_ref(*args, **kwargs) -> torch.Tensor:

@@ -25,14 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfab.distributed.parallel_state import get_parallel_state, tp_all_gather_last, tp_all_reduce
+from tokenfab.distributed.parallel_state import tp_all_gather_last, tp_all_reduce
 from tokenfab.layers.embedding import VOCAB_PADDING, vocab_rows_per_rank  # noqa: F401 (re-exported)
 from tokenfab.layers.linear import linear
-
-
-def _tp() -> tuple[int, int]:
-    s = get_parallel_state()
-    return s.tp_rank, s.tp_size
+from tokenfab.layers.tp_split import tp_rank_size
 
 
 def _split(n: int, tp: int, what: str) -> int:
@@ -48,7 +44,7 @@ def _param(*shape: int) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp()
+        self.tp_rank, self.tp_size = tp_rank_size()
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         self.out_per_rank = _split(out_features, self.tp_size, "output features")
         self.weight = _param(self.out_per_rank, in_features)
@@ -83,7 +79,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        rank, tp = _tp()
+        rank, tp = tp_rank_size()
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads and tensor parallel size {tp}: neither divides the other")
         heads, kv_heads = _split(num_heads, tp, "attention heads"), max(1, num_kv_heads // tp)
@@ -106,7 +102,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_output: bool = True) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp()
+        self.tp_rank, self.tp_size = tp_rank_size()
         self.in_features, self.out_features, self.reduce_output = in_features, out_features, reduce_output
         self.in_per_rank = _split(in_features, self.tp_size, "input features")
         self.weight = _param(out_features, self.in_per_rank)
@@ -129,7 +125,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = _tp()
+        self.tp_rank, self.tp_size = tp_rank_size()
         self.vocab_size = vocab_size
         self.rows = vocab_rows_per_rank(vocab_size, self.tp_size)
         self.start = self.tp_rank * self.rows
