@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
-from tests.engine.block_holders import check_holders, free_all
+from tests.engine.block_holders import LiveSequences, check_holders
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.sequence import Sequence
@@ -28,14 +28,11 @@ def _seq(toks: list[int], salt: str | None = None, name: str = "s") -> Sequence:
     return Sequence(name, None, list(toks), SamplingParams(), 0, cache_salt=salt)
 
 
-class Machine(RuleBasedStateMachine):
+class Machine(LiveSequences):
     def __init__(self) -> None:
-        super().__init__()
-        self.bm = BlockManager(num_blocks=10, block_size=BS)
-        self.live: list[Sequence] = []
+        super().__init__(BlockManager(num_blocks=10, block_size=BS))
         self.written: dict[int, tuple] = {}  # block -> (salt, the whole token prefix up to its end)
         self.computed: set[tuple] = set()  # every (salt, full-block prefix) ever computed
-        self.n = 0
 
     def _compute(self, seq: Sequence, n: int) -> bool:
         if not self.bm.allocate(seq, n):
@@ -48,19 +45,13 @@ class Machine(RuleBasedStateMachine):
         self.bm.commit_full_blocks(seq)
         return True
 
-    def _admit(self, toks: list[int], salt) -> None:
-        seq = _seq(toks, salt, f"s{self.n}")
-        self.n += 1
-        hit = self.bm.allocate_cached_prefix(seq)
+    def _check_hit(self, seq: Sequence, hit: int) -> None:
+        toks = seq.token_ids
         assert hit % BS == 0 and hit < len(toks) and len(seq.block_table) == hit // BS
         for j in range(hit // BS):
-            key = (salt, tuple(toks[: (j + 1) * BS]))
+            key = (seq.cache_salt, tuple(toks[: (j + 1) * BS]))
             assert key in self.computed  # a hit only on a prefix (and salt) once computed...
             assert self.written[seq.block_table[j]] == key  # ...and the block still holds it
-        if self._compute(seq, len(toks) - hit):
-            self.live.append(seq)
-        else:
-            self.bm.free(seq)
 
     @rule(toks=tokens, salt=salts)
     def admit(self, toks, salt):
@@ -69,22 +60,12 @@ class Machine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99), cut=st.integers(1, 16), extra=tokens)
     def admit_sharing_a_prefix(self, i, cut, extra):
-        parent = self.live[i % len(self.live)]
-        self._admit(parent.token_ids[: min(cut, parent.num_tokens)] + extra, parent.cache_salt)
+        self._admit_sharing(i, cut, extra)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99), extra=tokens)
     def grow(self, i, extra):
-        seq = self.live[i % len(self.live)]
-        seq.token_ids += extra
-        if not self._compute(seq, len(extra)):
-            self.bm.free(seq)
-            self.live.remove(seq)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 99))
-    def free(self, i):
-        self.bm.free(self.live.pop(i % len(self.live)))
+        self._grow(i, extra)
 
     @rule(n=st.integers(1, 10))
     def pressure(self, n):
@@ -103,10 +84,6 @@ class Machine(RuleBasedStateMachine):
                 for s, j in hs[1:]:
                     assert j == j0 and s.cache_salt == s0.cache_salt
                     assert s.token_ids[: (j + 1) * BS] == s0.token_ids[: (j + 1) * BS]
-
-    def teardown(self):
-        free_all(self.bm, self.live)
-
 
 Machine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 TestBlockManagerInvariants = Machine.TestCase
