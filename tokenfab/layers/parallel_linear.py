@@ -41,20 +41,41 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
+class _TPLinear(nn.Module):
+    """What the column- and row-parallel linears share: the full sizes, this rank's place in the TP
+    group, its part of the weight and bias (filled by ``load_full`` / ``load_shard``)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_size()
-        self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
+        self.in_features, self.out_features = in_features, out_features
+
+    def _params(self, rows: int, cols: int, bias_rows: int | None) -> None:
+        self.weight = _param(rows, cols)
+        self.bias = _param(bias_rows) if bias_rows is not None else None
+
+
+class ColumnParallelLinear(_TPLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gather_output: bool = False) -> None:
+        super().__init__(in_features, out_features)
+        self.gather_output = gather_output
         self.out_per_rank = _split(out_features, self.tp_size, "output features")
-        self.weight = _param(self.out_per_rank, in_features)
-        self.bias = _param(self.out_per_rank) if bias else None
+        self._params(self.out_per_rank, in_features, self.out_per_rank if bias else None)
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
         self.weight.data.copy_(weight[rows])
         if self.bias is not None and bias is not None:
             self.bias.data.copy_(bias[rows])
+
+    def _load_part(self, i: int, w: torch.Tensor, first: int) -> None:
+        """Local part ``i`` (``local_sizes``, of a merged layer) from rows ``first:`` of the full checkpoint
+        tensor ``w`` (weight [rows, in] or bias [rows])."""
+        n = self.local_sizes[i]
+        start = sum(self.local_sizes[:i])
+        target = self.weight if w.dim() == 2 else self.bias
+        assert target is not None, "this layer has no bias"
+        target.data[start : start + n].copy_(w[first : first + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias, None)
@@ -70,11 +91,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def load_shard(self, i: int, w: torch.Tensor) -> None:
         """Full checkpoint tensor of projection ``i`` (weight [rows, in] or bias [rows])."""
-        n = self.local_sizes[i]
-        start = sum(self.local_sizes[:i])
-        target = self.weight if w.dim() == 2 else self.bias
-        assert target is not None, "this layer has no bias"
-        target.data[start : start + n].copy_(w[self.tp_rank * n : (self.tp_rank + 1) * n])
+        self._load_part(i, w, self.tp_rank * self.local_sizes[i])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -91,22 +108,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def load_shard(self, i: int, w: torch.Tensor) -> None:
         """Full checkpoint q (i=0), k (1) or v (2) weight [heads * head_dim, hidden] or bias."""
-        n = self.local_sizes[i]
-        first = (self.tp_rank * self.num_heads if i == 0 else self.kv_start) * self.head_dim
-        start = sum(self.local_sizes[:i])
-        target = self.weight if w.dim() == 2 else self.bias
-        assert target is not None, "this layer has no bias"
-        target.data[start : start + n].copy_(w[first : first + n])
+        self._load_part(i, w, (self.tp_rank * self.num_heads if i == 0 else self.kv_start) * self.head_dim)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_output: bool = True) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_size()
-        self.in_features, self.out_features, self.reduce_output = in_features, out_features, reduce_output
+        super().__init__(in_features, out_features)
+        self.reduce_output = reduce_output
         self.in_per_rank = _split(in_features, self.tp_size, "input features")
-        self.weight = _param(out_features, self.in_per_rank)
-        self.bias = _param(out_features) if bias else None
+        self._params(out_features, self.in_per_rank, out_features if bias else None)
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
