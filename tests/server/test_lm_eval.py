@@ -9,21 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.loader.bundled import bundled_model_path
-
 TOL = 1e-4
 CONTEXTS = ["Question: What is the capital of France?\nAnswer:", "The quick brown fox", "1, 2, 3, 4,"]
 CONTINUATIONS = [" Paris", " jumps over the lazy dog", " 5"]
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs():
-    import transformers
-
-    path = bundled_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32)
-    hf.eval()
+def hf_logprobs(hf_bundled):
+    hf = hf_bundled  # the session's shared transformers copy of the bundled model (tests/conftest.py)
 
     def score(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
