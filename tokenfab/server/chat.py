@@ -15,14 +15,13 @@ from tokenfab.server.protocol import ChatCompletionRequest, random_id
 from tokenfab.server.serving import OpenAIServer
 from tokenfab.server.shaping import Shaper, shape_chat
 from tokenfab.server.streaming import (
-    ClientGone,
     EngineStreamingResponse,
     collect,
     finish,
+    generated_tokens,
     sse,
-    stream_error,
+    sse_body,
     usage,
-    watch,
 )
 
 
@@ -36,7 +35,8 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     num_prompt, k = len(shaped.prompts[0]), shaped.params.logprobs
     if body.stream:
         shapers = [shaped.shaper() for _ in range(stream.num_choices)]
-        gen = _chat_stream(server, body, request, stream, request_id, created, num_prompt, k, shapers)
+        gen = sse_body(_chat_stream(server, body, stream, request_id, created, num_prompt, k, shapers),
+                       stream, request, request_id)
         return EngineStreamingResponse(gen, stream)
     finals = await collect(stream, request)
     choices = []
@@ -50,8 +50,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
             prompt_lps = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
         logprobs = None
         if k is not None:
-            lps = [lp for c in chunks for lp in (c.delta_logprobs or [])]
-            gen_ids = [t for c in chunks for t in c.delta_token_ids]
+            gen_ids, lps = generated_tokens(chunks)
             logprobs = {"content": chat_logprobs(server.tokenizer, gen_ids, lps, k)}
         message, reason = shaped.shaper().final_chunk(last, finish(last.finish_reason))
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
@@ -66,7 +65,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     return JSONResponse(response)
 
 
-async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, request: Request, stream: RequestStream,
+async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, stream: RequestStream,
                        request_id: str, created: int, num_prompt: int, k: int | None,
                        shapers: list[Shaper]) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -85,51 +84,41 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, reques
             p["usage"] = usage(num_prompt, generated[choice["index"]]) if continuous else None
         return sse(p)
 
-    watcher = watch(stream, request)
-    try:
-        for i in range(stream.num_choices):
-            yield payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None})
-        async for chunk in stream:
-            completion_tokens += len(chunk.delta_token_ids)
-            generated[chunk.index] += len(chunk.delta_token_ids)
-            logprobs = None
-            if k is not None and chunk.delta_token_ids:
-                logprobs = {"content": chat_logprobs(server.tokenizer, chunk.delta_token_ids,
-                                                     chunk.delta_logprobs or [], k)}
-            if chunk.finished:
-                finals[chunk.index] = [chunk]
-            if body.prompt_logprobs is not None and chunk.prompt_logprobs is not None and not sent_prompt_logprobs:
-                sent_prompt_logprobs = True  # once, at the top level (vLLM's place for it)
-                p = dict(base)
-                p["choices"] = []
-                p["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
-                yield sse(p)
-            if not (chunk.delta_text or chunk.delta_token_ids or chunk.finished or logprobs):
-                continue
-            shaper = shapers[chunk.index]
-            deltas = shaper.feed_chunk(chunk)
-            reason = finish(chunk.finish_reason)
-            if chunk.finished:
-                tail, reason = shaper.finish(reason)
-                deltas += tail
-            if not deltas and (logprobs or chunk.finished):
-                deltas = [{}]
-            for i, delta in enumerate(deltas):  # logprobs and the finish ride on the last delta of the chunk
-                last = i == len(deltas) - 1
-                yield payload({"index": chunk.index, "delta": delta, "logprobs": logprobs if last else None,
-                               "finish_reason": reason if last else None,
-                               "stop_reason": chunk.stop_reason if last else None})
-        if include_usage:
+    for i in range(stream.num_choices):
+        yield payload({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None})
+    async for chunk in stream:
+        completion_tokens += len(chunk.delta_token_ids)
+        generated[chunk.index] += len(chunk.delta_token_ids)
+        logprobs = None
+        if k is not None and chunk.delta_token_ids:
+            logprobs = {"content": chat_logprobs(server.tokenizer, chunk.delta_token_ids,
+                                                 chunk.delta_logprobs or [], k)}
+        if chunk.finished:
+            finals[chunk.index] = [chunk]
+        if body.prompt_logprobs is not None and chunk.prompt_logprobs is not None and not sent_prompt_logprobs:
+            sent_prompt_logprobs = True  # once, at the top level (vLLM's place for it)
             p = dict(base)
             p["choices"] = []
-            p["usage"] = usage(num_prompt, completion_tokens, finals)
+            p["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             yield sse(p)
-    except ClientGone:
-        return
-    except Exception as e:  # engine failure mid-stream: report it in-band, to this client only
-        yield sse(stream_error(e, request_id))
-    finally:
-        watcher.cancel()
-        stream.abort()
-    yield sse("[DONE]")
+        if not (chunk.delta_text or chunk.delta_token_ids or chunk.finished or logprobs):
+            continue
+        shaper = shapers[chunk.index]
+        deltas = shaper.feed_chunk(chunk)
+        reason = finish(chunk.finish_reason)
+        if chunk.finished:
+            tail, reason = shaper.finish(reason)
+            deltas += tail
+        if not deltas and (logprobs or chunk.finished):
+            deltas = [{}]
+        for i, delta in enumerate(deltas):  # logprobs and the finish ride on the last delta of the chunk
+            last = i == len(deltas) - 1
+            yield payload({"index": chunk.index, "delta": delta, "logprobs": logprobs if last else None,
+                           "finish_reason": reason if last else None,
+                           "stop_reason": chunk.stop_reason if last else None})
+    if include_usage:
+        p = dict(base)
+        p["choices"] = []
+        p["usage"] = usage(num_prompt, completion_tokens, finals)
+        yield sse(p)

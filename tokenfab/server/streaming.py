@@ -64,6 +64,31 @@ def usage(prompt_tokens: int, completion_tokens: int,
     return out
 
 
+def generated_tokens(chunks: list[StreamChunk]) -> tuple[list[int], list]:
+    """A choice's generated token ids and their logprobs (empty where none were asked), over its chunks."""
+    return ([t for c in chunks for t in c.delta_token_ids],
+            [lp for c in chunks for lp in (c.delta_logprobs or [])])
+
+
+async def sse_body(events: AsyncIterator[str], stream: RequestStream, request: Request,
+                   request_id: str) -> AsyncIterator[str]:
+    """An endpoint's SSE events, then ``data: [DONE]``: the client watched meanwhile (a disconnect aborts
+    the request and ends the body, without [DONE]); an engine failure mid-stream reported in-band, to this
+    client only; the request aborted however the body ends."""
+    watcher = watch(stream, request)
+    try:
+        async for event in events:
+            yield event
+    except ClientGone:
+        return
+    except Exception as e:  # engine failure mid-stream: report it in-band, to this client only
+        yield sse(stream_error(e, request_id))
+    finally:
+        watcher.cancel()
+        stream.abort()
+    yield sse("[DONE]")
+
+
 def watch(stream: RequestStream, request: Request) -> asyncio.Task:
     """A task that aborts ``stream`` as soon as the client disconnects (cancel it when done)."""
     return asyncio.create_task(_watch_disconnect(stream, request))
