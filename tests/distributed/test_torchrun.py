@@ -6,20 +6,17 @@ SIGTERM to node 0 stops both. Slow tier (spawns process trees)."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.distributed.launch import free_port
+from tests.server.streams import completion_text
+from tests.watched_process import WatchedProcess
 from tokenfab import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -49,31 +46,13 @@ def tiny_llama_with_tokenizer(out: Path) -> Path:
     return out
 
 
-class Node:
+class Node(WatchedProcess):
     def __init__(self, rank: int, port: int, model: Path) -> None:
         env = {**os.environ, "TOKENFAB_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "tokenfab", "serve", str(model), "--port", "0", "--max-model-len", "256", "--no-access-log"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, "".join(self.lines))
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"never matched {pattern!r}:\n{''.join(self.lines)}")
+        super().__init__(cmd, env, start_new_session=True)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -81,19 +60,8 @@ class Node:
             self.proc.wait(10)
 
 
-def _complete(c: httpx.Client, prompt: str, stream: bool) -> list[int] | str:
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "stream": stream, "ignore_eos": True}
-    if not stream:
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+def _complete(c: httpx.Client, prompt: str, stream: bool) -> str:
+    return completion_text(c, {"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}, stream)
 
 
 def test_two_nodes_through_torchrun_serve_the_one_process_tokens(tmp_path):
@@ -105,7 +73,7 @@ def test_two_nodes_through_torchrun_serve_the_one_process_tokens(tmp_path):
     port = free_port()
     nodes = [Node(0, port, model), Node(1, port, model)]
     try:
-        url = nodes[0].wait_for(r"serving .* at (http://\S+)/v1", 240).group(1)
+        url = nodes[0].wait_for(r"serving .* at (http://\S+)/v1", 240, poll=0.1).group(1)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
             for stream in (False, True):
                 assert [_complete(c, p, stream) for p in PROMPTS] == expected

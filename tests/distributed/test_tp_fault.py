@@ -7,7 +7,6 @@ raises EngineDeadError naming the worker instead of hanging. Slow tier (processe
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.server.streams import completion_text, data_events, interrupt_stream
 from tests.server.test_cli_server import API_KEY, ServeProcess
 from tokenfab import LLM, SamplingParams
 
@@ -35,18 +35,7 @@ def _worker_pids(core: int) -> list[int]:
 
 
 def _complete(c: httpx.Client, prompt: str, stream: bool) -> str:
-    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.0, "stream": stream}
-    if not stream:
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    text = ""
-    with c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return completion_text(c, {"prompt": prompt, "max_tokens": 10, "temperature": 0.0}, stream)
 
 
 def test_tp3_serve_matches_one_process_then_a_killed_worker_gives_503():
@@ -62,18 +51,9 @@ def test_tp3_serve_matches_one_process_then_a_killed_worker_gives_503():
             for stream in (False, True):
                 assert [_complete(c, p, stream) for p in PROMPTS] == expected
             body = {"prompt": "Write a long story.", "max_tokens": 200, "stream": True, "ignore_eos": True}
-            with c.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                for line in lines:  # the first token
-                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                        break
-                t0 = time.monotonic()
-                os.kill(workers[1], signal.SIGKILL)
-                rest = list(lines)  # ends: no hang
-                ended = time.monotonic() - t0
+            rest, t0, ended = interrupt_stream(c, body, lambda: os.kill(workers[1], signal.SIGKILL))
         assert ended < 15
-        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        errors = [e for e in data_events(rest) if "error" in e]
         assert errors and errors[-1]["error"]["code"] == "service_unavailable"
         h = httpx.get(f"{server.url}/health")
         assert h.status_code == 503

@@ -4,35 +4,29 @@ SIGTERM test stops the server and comes last."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.server.streams import data_events, first_token, interrupt_stream
+from tests.watched_process import WatchedProcess
+
 API_KEY = "test-key-123"
 
 
-class ServeProcess:
+class ServeProcess(WatchedProcess):
     def __init__(self, *args: str) -> None:
         env = {**os.environ, "TOKENFAB_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenfab", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.url = self._wait_for(r"serving .* at (http://\S+)/v1", 180).group(1)
-        self._wait_for(r"curl ", 10)
+        super().__init__([sys.executable, "-m", "tokenfab", "serve", "--port", "0", *args], env)
+        self.url = self.wait_for(r"serving .* at (http://\S+)/v1", 180).group(1)
+        self.wait_for(r"curl ", 10)
         # the port must take connections as soon as the banner is out (they may wait, not be refused)
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
         try:
@@ -40,26 +34,6 @@ class ServeProcess:
             self.connectable_at_banner = True
         except OSError:
             self.connectable_at_banner = False
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def _wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.output)
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"server output never matched {pattern!r}:\n{self.output}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -128,15 +102,6 @@ def test_request_limits_flags(cli_server):
     assert r.status_code == 200, r.text
 
 
-def _first_token(stream_iter) -> None:
-    for line in stream_iter:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            ch = json.loads(line[6:])["choices"]
-            if ch and ch[0].get("text"):
-                return
-    raise AssertionError("stream ended before a token")
-
-
 def test_queue_full_is_429_at_once(cli_server):
     url = cli_server.url
     long = {"prompt": "Write a long essay about rivers.", "max_tokens": 300, "stream": True, "ignore_eos": True}
@@ -147,7 +112,7 @@ def test_queue_full_is_429_at_once(cli_server):
             assert running.status_code == 200
             # keep the line iterator referenced: dropping it closes the connection (= disconnect)
             running_lines = running.iter_lines()
-            _first_token(running_lines)
+            first_token(running_lines)
             # ... one waits (--max-waiting 1) ...
             with c2.stream("POST", "/v1/completions", json=long) as waiting:
                 assert waiting.status_code == 200
@@ -180,14 +145,9 @@ def test_sigterm_drains_running_requests_then_exits(cli_server):
     url = cli_server.url
     payload = {"prompt": "Count slowly:", "max_tokens": 12, "stream": True, "ignore_eos": True,
                "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=url, headers=_auth(), timeout=120) as c, \
-            c.stream("POST", "/v1/completions", json=payload) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        _first_token(lines)
-        cli_server.proc.send_signal(signal.SIGTERM)
-        rest = list(lines)
-    events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    with httpx.Client(base_url=url, headers=_auth(), timeout=120) as c:
+        rest, _, _ = interrupt_stream(c, payload, lambda: cli_server.proc.send_signal(signal.SIGTERM))
+    events = data_events(rest)
     finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
     assert finishes[-1] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 12

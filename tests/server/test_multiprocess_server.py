@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.server.streams import data_events, interrupt_stream
 from tests.server.test_cli_server import API_KEY, ServeProcess
 from tokenfab import LLM, SamplingParams
 
@@ -88,25 +89,13 @@ def test_same_tokens_as_the_in_process_engine_24_clients(two_front_ends, expecte
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def _first_token(lines) -> None:
-    for line in lines:
-        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-            return
-    raise AssertionError("stream ended before a token")
-
-
 def test_sigterm_drains_in_flight_requests_then_exits_0(two_front_ends):
     server = two_front_ends
     body = {"prompt": "Count slowly:", "max_tokens": 12, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as c, \
-            c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        _first_token(lines)
-        server.proc.send_signal(signal.SIGTERM)
-        rest = list(lines)
-    events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=120) as c:
+        rest, _, _ = interrupt_stream(c, body, lambda: server.proc.send_signal(signal.SIGTERM))
+    events = data_events(rest)
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 12
     assert server.proc.wait(60) == 0
@@ -123,17 +112,10 @@ def test_killed_engine_core_gives_503_within_seconds():
         core = int(re.search(r"engine core pid (\d+)", server.output).group(1))
         url = server.url
         body = {"prompt": "Write a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        with httpx.Client(base_url=url, headers=HEADERS, timeout=60) as c, \
-                c.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            _first_token(lines)
-            t0 = time.monotonic()
-            os.kill(core, signal.SIGKILL)
-            rest = list(lines)  # ends: no hang
-            ended = time.monotonic() - t0
+        with httpx.Client(base_url=url, headers=HEADERS, timeout=60) as c:
+            rest, t0, ended = interrupt_stream(c, body, lambda: os.kill(core, signal.SIGKILL))
         assert ended < 10
-        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        errors = [e for e in data_events(rest) if "error" in e]
         assert errors and errors[-1]["error"]["code"] == "service_unavailable"
         h = httpx.get(f"{url}/health")
         assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
