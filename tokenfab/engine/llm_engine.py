@@ -10,6 +10,7 @@ import torch
 
 from tokenfab.distributed import two_batch
 from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.forwarded import Forwarded
 from tokenfab.engine.intake import RequestIntake, RequestLimits, tokenize_prompt
 from tokenfab.engine.overlap import OverlapScheduler
 from tokenfab.engine.postprocess import Postprocessor
@@ -267,17 +268,9 @@ class LLMEngine:
         return self.runner.execute_scoring(fb)
 
     # ---- stats ----------------------------------------------------------------------
-    @property
-    def num_steps(self) -> int:
-        return self.post.num_steps
-
-    @property
-    def generation_tokens_total(self) -> int:
-        return self.post.generation_tokens_total
-
-    @property
-    def computed_prompt_tokens_total(self) -> int:
-        return self.post.computed_prompt_tokens_total
+    num_steps: Forwarded[int] = Forwarded("post.num_steps")
+    generation_tokens_total: Forwarded[int] = Forwarded("post.generation_tokens_total")
+    computed_prompt_tokens_total: Forwarded[int] = Forwarded("post.computed_prompt_tokens_total")
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager

@@ -36,6 +36,7 @@ from tokenfab.engine.core.request_stream import (
     make_choices,
     next_chunk,
 )
+from tokenfab.engine.forwarded import Forwarded
 from tokenfab.engine.requests.errors import EngineDeadError, QueueFullError, RequestFailedError
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
@@ -83,21 +84,10 @@ class AsyncEngine:
             engine.on_dead = self._backend_died
 
     # ---- properties read by the server ----
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.engine.vocab_size)
+    tokenizer: Forwarded[Any] = Forwarded("engine.tokenizer")
+    model_name: Forwarded[str] = Forwarded("engine.model_name")
+    max_model_len: Forwarded[int] = Forwarded("engine.max_model_len", int)
+    vocab_size: Forwarded[int] = Forwarded("engine.vocab_size", int)
 
     @property
     def scheduling_policy(self) -> str:
