@@ -24,12 +24,13 @@ import torch
 
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.runner.device_setup import maybe_pack_cpu_weights
-from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
+from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.model_loader import load_model, text_config
 from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.speculative.draft_batch import TableRows, any_sampled, pick_drafts
+from tokenfab.speculative.draft_cache import OwnCacheDraft
 from tokenfab.speculative.target import TargetEngine
 
 
@@ -48,9 +49,7 @@ def check_vocab(target_tok, draft_tok, target_vocab: int, draft_vocab: int, wher
                          f"target's ({target_vocab}); a draft model must share the target's tokenizer")
 
 
-class DraftModelProposer:
-    model_based = True
-
+class DraftModelProposer(OwnCacheDraft):
     def __init__(self, config: SpeculativeConfig, engine: TargetEngine) -> None:
         if not config.model:
             raise ValueError('speculative_config.model is required for method "draft_model" (the draft\'s path)')
@@ -62,17 +61,11 @@ class DraftModelProposer:
         self.vocab_size = text_config(loaded.config).vocab_size
         check_vocab(engine.tokenizer, loaded.tokenizer, engine.vocab_size, self.vocab_size, repr(config.model))
         self.target_vocab = engine.vocab_size
-        self.model = loaded.model
+        self.module = self.model = loaded.model
         maybe_pack_cpu_weights(self.model, engine.device, engine.args.cpu_weight_packing)
         self.engine = engine
         self.runner: ModelRunner | None = None
         self.observe_seconds = 0.0
-
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model, self.engine.dtype)
-
-    def bind_cache(self, block_size: int, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, self.engine.device, self.engine.dtype, block_size, num_blocks)
 
     def execute(self, runner: ModelRunner, fb: ForwardBatch, seqs: list[Sequence],
                 counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

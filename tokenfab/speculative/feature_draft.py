@@ -28,15 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from tokenfab.engine.requests.sequence import Sequence
-from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
+from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.model_loader import text_config
 from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.speculative.draft_batch import TableRows, any_sampled, pick_drafts
+from tokenfab.speculative.draft_cache import OwnCacheDraft
 from tokenfab.speculative.eagle3 import aux_layer_ids, load_eagle3, target_forward_with_aux
 from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
 from tokenfab.speculative.target import TargetEngine
@@ -48,11 +48,9 @@ class _Pending:
     feats: torch.Tensor  # [n, F] target features of positions start .. start + n - 1
 
 
-class FeatureDraftProposer:
+class FeatureDraftProposer(OwnCacheDraft):
     """The shared draft loop; subclasses give the module, the target forward and the head step."""
 
-    model_based = True
-    module: nn.Module
 
     def __init__(self, engine: TargetEngine) -> None:
         self.engine = engine
@@ -76,13 +74,7 @@ class FeatureDraftProposer:
         """Draft-vocabulary ids (and q) in the target's vocabulary."""
         return tokens, q
 
-    # ---- the engine's side
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.module, self.engine.dtype)
-
-    def bind_cache(self, block_size: int, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.module, self.engine.device, self.engine.dtype, block_size, num_blocks)
-
+    # ---- the engine's side (and the cache's: draft_cache.py)
     def execute(self, runner: ModelRunner, fb: ForwardBatch, seqs: list[Sequence],
                 counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's forward (eager: the features come out of it), keeping each row's feature."""
