@@ -19,13 +19,13 @@ collectives (the load all-reduce, the weight all-gathers) meet.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from tokenfab.engine.requests.errors import parse_json_option
 from tokenfab.layers.moe import FusedMoE
 
 ACTION_RESET, ACTION_REBALANCE = 1, 2
@@ -44,10 +44,7 @@ class EplbConfig:
         if value is None or isinstance(value, EplbConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"eplb_config is not valid JSON: {e}") from None
+            value = parse_json_option(value, "eplb_config")
         if not isinstance(value, dict):
             raise ValueError(f"eplb_config must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(_KEYS))

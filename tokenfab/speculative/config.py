@@ -15,9 +15,10 @@ unsupported values are a ``ValueError`` naming the key.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tokenfab.engine.requests.errors import parse_json_option
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 32
@@ -70,10 +71,7 @@ class SpeculativeConfig:
         if isinstance(value, str):
             if not value.strip() or value.strip() == "null":
                 return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            value = parse_json_option(value, "speculative_config")
             if value is None:
                 return None
         if not isinstance(value, dict):

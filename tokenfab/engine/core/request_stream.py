@@ -14,14 +14,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokenfab.engine.requests.outputs import Logprob, RequestOutput
+from tokenfab.engine.requests.outputs import Finishable, Logprob, RequestOutput
 from tokenfab.engine.requests.sampling_params import SEED_MAX, SamplingParams
 
 PromptType = str | list[int]
 
 
 @dataclass
-class StreamChunk:
+class StreamChunk(Finishable):
     """What one engine step produced for one choice of a request."""
 
     index: int  # choice index (prompt_index * n + i)
@@ -41,10 +41,6 @@ class StreamChunk:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

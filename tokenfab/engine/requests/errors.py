@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class EngineDeadError(RuntimeError):
     """The engine cannot go on (a device error, or it was shut down): no more requests are served
@@ -33,3 +36,12 @@ def raise_if_fatal(error: BaseException) -> None:
         raise error
     if is_device_fatal(error):
         raise EngineDeadError(f"the device failed, the engine cannot go on: {error}") from error
+
+
+def parse_json_option(text: str, name: str, error: type[ValueError] = ValueError) -> Any:
+    """The JSON value of the option ``name`` given as text; ``error`` ("<name> is not valid JSON: ...")
+    when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{name} is not valid JSON: {e}") from None

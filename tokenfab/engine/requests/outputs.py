@@ -26,8 +26,18 @@ def logprobs_from_wire(triple: list[list[Any]], decode_one: Callable[[int], str]
     return {t: Logprob(float(v), r, decode_one(t)) for t, v, r in zip(ids, lps, ranks)}
 
 
+class Finishable:
+    """``finished`` once a ``finish_reason`` is set (a choice's outputs, a streamed chunk)."""
+
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
-class CompletionOutput:
+class CompletionOutput(Finishable):
     index: int
     text: str  # all text generated so far (stop string excluded)
     token_ids: list[int]
@@ -36,10 +46,6 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
     delta_text: str = ""  # text new since the previous RequestOutput of this request
     delta_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

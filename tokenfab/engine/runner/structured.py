@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from tokenfab.engine.requests.errors import parse_json_option
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,10 +106,7 @@ class StructuredOutputCompiler:
 
     def json_schema(self, schema: dict[str, Any] | str, strict: bool = True) -> GrammarConstraint:
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise StructuredOutputError(f"json_schema.schema is not valid JSON: {e}") from e
+            schema = parse_json_option(schema, "json_schema.schema", StructuredOutputError)
         if not isinstance(schema, dict):
             raise StructuredOutputError("json_schema.schema must be a JSON object")
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
