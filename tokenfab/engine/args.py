@@ -56,8 +56,13 @@ class EngineArgs:
     # as two micro-batches, one's all-reduce in flight while the other computes; None: the default
     enable_two_batch_overlap: bool = False
     tbo_min_tokens: int | None = None
+    # CPU threads of the engine's kernels (torch's and the native ones); None: the process's share of the
+    # cores, split without overlap between TP ranks and DP replicas (engine/runner/cpu_threads.py)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         # lazy: this module is the CLI's (``tokenfab --help``), which must not pay for importing torch
         from tokenfab.quant.kv_fp8 import parse_kv_cache_dtype, parse_skip_layers
 
@@ -83,6 +88,9 @@ class EngineArgs:
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=256)
+        parser.add_argument("--cpu-threads", type=int, default=None,
+                            help="CPU threads of the kernels (default: this process's share of the cores, TP ranks "
+                                 "and DP replicas on disjoint cores)")
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.engine.runner.cpu_threads import configure_engine_threads
 from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
     log_memory_figures,
     maybe_pack_cpu_weights,
@@ -54,6 +56,10 @@ class LLMEngine:
         self.args = args
         self.scheduling_policy = args.scheduling_policy
         self.tp = None  # tensor parallel: rank 0's handle on the worker ranks (executors/tp_executor.py)
+        self.cpu_threads = None  # CPU: the thread plan (engine/runner/cpu_threads.py); rank 0 takes slice 0
+        if resolve_device(args.device).type == "cpu":
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.tensor_parallel_size))  # torchrun: this node's
+            self.cpu_threads = configure_engine_threads(args.cpu_threads, (0, local_ranks))
         if args.tensor_parallel_size != 1:
             self.tp = start_tensor_parallel(args)  # before the load: layers shard at build time
         self.device = resolve_device(args.device)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from tokenfab.distributed.parallel_state import destroy_parallel
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.runner.cpu_threads import child_env
 from tokenfab.engine.runner.device_setup import resolve_device
 from tokenfab.engine.runner.model_runner import ModelRunner
 from tokenfab.executors.eplb_engine import redundant_experts
@@ -135,9 +136,11 @@ class TPExecutor:
         procs = []
         try:
             for r in range(1, tp):
+                # on CPU each rank gets its own slice of this process's cores (rank 0 keeps slice 0)
+                env = None if device.type != "cpu" or args.cpu_threads else {**os.environ, **child_env(r, tp)}
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "tokenfab.executors.tp_worker", "--rank", str(r), "--world", str(tp),
-                     "--port", str(port), "--parent-pid", str(os.getpid()), "--args-json", wire]))
+                     "--port", str(port), "--parent-pid", str(os.getpid()), "--args-json", wire], env=env))
             deadline = time.monotonic() + collective_timeout().total_seconds()
             keys = [f"tokenfab/worker{r}" for r in range(1, tp)]
             while not store.check(keys):

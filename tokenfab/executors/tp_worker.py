@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tokenfab.distributed import two_batch
+from tokenfab.engine.runner.cpu_threads import configure_engine_threads
 from tokenfab.engine.runner.device_setup import (
     maybe_pack_cpu_weights,
     resolve_device,
@@ -139,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{ns.rank}: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(ns.parent_pid,), daemon=True).start()
-    if not torch.cuda.is_available():  # the node's cores are shared by the TP ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ns.world))
     # rank 0's EngineArgs, validated there (``dataclasses.asdict``): the worker reads them as attributes
     args = argparse.Namespace(**json.loads(ns.args_json))
+    if resolve_device(args.device).type == "cpu":  # the slice of the node's cores rank 0 gave us (TOKENFAB_CPUS)
+        configure_engine_threads(args.cpu_threads)
     store = dist.TCPStore("127.0.0.1", ns.port, ns.world, is_master=False, timeout=collective_timeout())
     store.set(f"tokenfab/worker{ns.rank}", "1")
     return run_worker(args, ns.rank, ns.world, None, local_rank=ns.rank, store=store)
@@ -156,6 +157,9 @@ def torchrun_worker_main(args: Any) -> int:
               f"size {world}", file=sys.stderr)
         return 2
     args.tensor_parallel_size = world
+    if resolve_device(args.device).type == "cpu":  # this node's cores split over its local ranks
+        local = (int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        configure_engine_threads(getattr(args, "cpu_threads", None), local)
     return run_worker(args, rank, world, "env://", local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
 

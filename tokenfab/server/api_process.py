@@ -31,6 +31,7 @@ import zmq
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
 from tokenfab.engine.core.process import pid_alive, pid_fd
+from tokenfab.engine.runner.cpu_threads import configure_api_process_threads
 from tokenfab.server.launch import bind, print_banner, serve_on
 
 log = logging.getLogger("tokenfab.server")
@@ -135,6 +136,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[api {ns.index}]: %(message)s")
     from tokenfab.engine.core.client import EngineCoreClient, load_tokenizer
 
+    configure_api_process_threads()  # the engine core computes; this process only serves
     client = EngineCoreClient(ns.address, ns.core_pid, load_tokenizer(args.model))
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     sock = socket.socket(fileno=ns.fd)

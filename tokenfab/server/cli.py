@@ -127,6 +127,9 @@ def load_engine(args: argparse.Namespace) -> object | None:
             from tokenfab.engine.llm_engine import LLMEngine
 
             return LLMEngine(engine_args)
+        from tokenfab.engine.runner.cpu_threads import configure_api_process_threads
+
+        configure_api_process_threads()  # the engine cores compute in their own processes; this one only serves
         if engine_args.data_parallel_size > 1:
             from tokenfab.engine.core.dp_client import DPClient
 

@@ -43,6 +43,8 @@ from tokenfab.engine.requests.errors import EngineDeadError
 from tokenfab.engine.requests.outputs import CompletionOutput, RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.engine.runner.cpu_threads import child_env
+from tokenfab.engine.runner.device_setup import resolve_device
 from tokenfab.executors import dp_lockstep
 from tokenfab.executors.tp_protocol import free_port
 
@@ -164,10 +166,13 @@ class DPClient:
             extra = {dp_lockstep.MASTER_ENV: f"127.0.0.1:{free_port()}", dp_lockstep.SIZE_ENV: str(n)}
         launches: list[CoreLaunch] = []
         clients: list[EngineCoreClient] = []
+        on_cpu = resolve_device(args.device).type == "cpu"
         try:
             for r in range(n):
                 # TOKENFAB_DP_RANK: the replica's index (its rank in the attention-DP + EP world)
-                launches.append(CoreLaunch.start(replica_args, log_level, env={**os.environ, **extra,
+                # CPU: each replica on its own slice of the cores (engine/runner/cpu_threads.py)
+                cores = child_env(r, n) if on_cpu and args.cpu_threads is None else {}
+                launches.append(CoreLaunch.start(replica_args, log_level, env={**os.environ, **extra, **cores,
                                                                                 "TOKENFAB_DP_RANK": str(r)}))
             tokenizer = load_tokenizer(args.model)
             for launch in launches:

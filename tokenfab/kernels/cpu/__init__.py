@@ -14,7 +14,8 @@ as MemoryError (``tests/kernels/test_cpu_native_checks.py``).
 
 The library is built once per (source, compiler, CPU) into ``$TOKENFAB_CACHE_DIR`` (default
 ``~/.cache/tokenfab``) and loaded with ctypes; it links the same ``libgomp.so.1`` that torch
-loaded, so its OpenMP threads are torch's threads. Without a compiler, or with
+loaded, so its OpenMP threads are torch's threads; every parallel region runs ``tf_set_num_threads``'s
+count (``threads.c``; ``engine/runner/cpu_threads.py`` sets it with torch's). Without a compiler, or with
 ``TOKENFAB_CPU_NATIVE=0``, ``native_library()`` returns None and callers use the reference.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "ggml_amx.c", "w4a16.c",
-            "fp8_matmul.c")
+            "fp8_matmul.c", "threads.c")
 _HEADERS = ("common.h", "ggml_common.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
@@ -159,11 +160,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         "w4a16_dequant": [p, i64, p, i32, i64, i32, i64, i64, i64, p, i32],
         "fp8_matmul_f32": [p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, p, i64],
         "fp8_dequant_rows": [p, i64, i64, i64, p, i64, i64, i64, p],
+        "tf_set_num_threads": [i32],
+        "tf_get_num_threads": [],
+        "tf_parallel_width": [],
     }
     returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
                       "ggml_matmul_f32", "ggml_matmul_q8", "matmul_f32_rowinv", "ggml_isa", "ggml_amx_probe",
                       "tf_cpu_isa", "ggml_amx_built", "ggml_amx_enable", "ggml_matmul_q8_amx",
-                      "w4a16_matmul", "w4a16_dequant", "fp8_matmul_f32", "fp8_dequant_rows"}
+                      "w4a16_matmul", "w4a16_dequant", "fp8_matmul_f32", "fp8_dequant_rows",
+                      "tf_get_num_threads", "tf_parallel_width"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM

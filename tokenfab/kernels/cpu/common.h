@@ -2,6 +2,7 @@
  * float8 e4m3 -> float conversion. */
 #ifndef TOKENFAB_CPU_COMMON_H
 #define TOKENFAB_CPU_COMMON_H
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -23,6 +24,11 @@
 #define TF_AVX512 0
 #define TF_AVX2 0
 #endif
+
+/* Threads of every parallel region (threads.c): tf_set_num_threads(n) for all calling threads, else
+ * OpenMP's default for the caller. Every `#pragma omp parallel` of the kernels says num_threads(tf_nthreads()). */
+extern int tf_threads_setting;
+static inline int tf_nthreads(void) { return tf_threads_setting > 0 ? tf_threads_setting : omp_get_max_threads(); }
 
 /* What every kernel that allocates returns; the Python wrapper turns a non-zero code into an
  * exception (kernels/cpu/__init__.py, check_status). A failed malloc skips the work, frees what

@@ -24,7 +24,7 @@ int rms_norm(const void *x, int64_t x_s, int64_t x_n, int64_t x_si, void *residu
              void *out, int64_t o_s, int64_t rows, int64_t H, float eps, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     int failed = 0;
-#pragma omp parallel if (rows * H >= PAR_MIN_ELEMS)
+#pragma omp parallel num_threads(tf_nthreads()) if (rows * H >= PAR_MIN_ELEMS)
     {
         float *buf = malloc(sizeof(float) * 3 * H);
         float *v = buf, *xr = buf + H, *wf = buf + 2 * H;
@@ -62,7 +62,7 @@ int rms_norm(const void *x, int64_t x_s, int64_t x_n, int64_t x_si, void *residu
 
 int silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t rows, int64_t I, int bf16) {
     if (!bf16) {
-#pragma omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (rows * I >= PAR_MIN_ELEMS)
         for (int64_t r = 0; r < rows; r++) {
             const float *g = (const float *)x + r * x_s, *u = g + I;
             float *o = (float *)out + r * o_s;
@@ -72,7 +72,7 @@ int silu_and_mul(const void *x, int64_t x_s, void *out, int64_t o_s, int64_t row
         return TF_OK;
     }
     int failed = 0;
-#pragma omp parallel if (rows * I >= PAR_MIN_ELEMS)
+#pragma omp parallel num_threads(tf_nthreads()) if (rows * I >= PAR_MIN_ELEMS)
     {
         float *buf = malloc(sizeof(float) * 2 * I);
         float *g = buf, *u = buf + I;
@@ -128,7 +128,7 @@ int rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_s
               int64_t D, int64_t rot, int neox, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     int failed = 0;
-#pragma omp parallel if (T * (Hq + Hk) * D >= PAR_MIN_ELEMS)
+#pragma omp parallel num_threads(tf_nthreads()) if (T * (Hq + Hk) * D >= PAR_MIN_ELEMS)
     {
         float *v = malloc(sizeof(float) * 2 * D);
         float *o = v + D;
@@ -154,7 +154,7 @@ int rotary_qk(const int64_t *positions, const void *q, int64_t q_st, int64_t q_s
  * as the maximum, as in torch.argmax. (NaN is tested on the bits: the library is compiled with
  * -ffast-math, under which x != x may fold to false.) */
 void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
-#pragma omp parallel for schedule(static) if (R * V >= PAR_MIN_ELEMS)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (R * V >= PAR_MIN_ELEMS)
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * V;
         const uint32_t *bits = (const uint32_t *)row;
@@ -182,7 +182,7 @@ void argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out) {
 void store_kv(const void *k, int64_t k_st, int64_t k_sh, const void *v, int64_t v_st, int64_t v_sh, void *k_cache,
               void *v_cache, const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t Dv, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (T * H * (D + Dv) >= PAR_MIN_ELEMS)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (T * H * (D + Dv) >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;

@@ -31,7 +31,7 @@ static void decode_row(const uint8_t *w, const float *s, int64_t ss1, int64_t k,
 
 int fp8_dequant_rows(const uint8_t *w, int64_t sw, int64_t n, int64_t k, const float *s, int64_t ss0,
                      int64_t ss1, int64_t group_n, float *out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static)
     for (int64_t r = 0; r < n; r++) decode_row(w + r * sw, s + (r / group_n) * ss0, ss1, k, out + r * k);
     return TF_OK;
 }
@@ -39,7 +39,7 @@ int fp8_dequant_rows(const uint8_t *w, int64_t sw, int64_t n, int64_t k, const f
 int fp8_matmul_f32(const float *x, int64_t sx, int64_t m, int64_t k, const uint8_t *w, int64_t sw, int64_t n,
                    const float *s, int64_t ss0, int64_t ss1, int64_t group_n, float *out, int64_t so) {
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(tf_nthreads())
     {
         float *row = (float *)malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
         if (row == NULL) {

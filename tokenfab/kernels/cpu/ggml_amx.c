@@ -234,7 +234,7 @@ int ggml_matmul_q8_amx(const float *x, const uint8_t *w, int64_t M, int64_t N, i
     ggml_quantize_rows_q8(x, M, K, q, d, sq);
     const int64_t chunks = (N + TN - 1) / TN;
     int rc = TF_OK;
-#pragma omp parallel if (N * K * M >= PAR_MIN_WORK)
+#pragma omp parallel num_threads(tf_nthreads()) if (N * K * M >= PAR_MIN_WORK)
     {
         uint8_t *panel = malloc((size_t)(nb * TILE_B));
         float *dw = malloc(sizeof(float) * (size_t)(nb * TN)), *mw = malloc(sizeof(float) * (size_t)(nb * TN));

@@ -216,7 +216,7 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
 
 static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t rb = qt == GF32 ? K * 4 : K / 32 * BLOCK_BYTES[qt], chunks = (N + NC - 1) / NC;
-#pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
@@ -259,7 +259,7 @@ int matmul_f32_rowinv(const float *x, const float *w, int64_t M, int64_t N, int6
 /* out [R, K] = dequant(w rows rows[0..R)) (rows already checked to be in range) */
 void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows, int64_t R, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt];
-#pragma omp parallel for schedule(static) if (R * K >= PAR_MIN_WORK)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (R * K >= PAR_MIN_WORK)
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = w + rows[r] * rb;
         for (int64_t b = 0; b < nb; b++) {

@@ -22,7 +22,7 @@
 /* exact IEEE division and rounding here: the reference (ggml_matmul.py) must reproduce every q */
 __attribute__((optimize("no-fast-math"))) void ggml_quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q,
                                                                     float *d, int32_t *sq) {
-#pragma omp parallel for schedule(static) if (M * K >= PAR_MIN_WORK)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (M * K >= PAR_MIN_WORK)
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *xb = x + i * 32;
         float amax = 0.0f;
@@ -298,7 +298,7 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
     }
     ggml_quantize_rows_q8(x, M, K, q, d, sq);
     const int64_t chunks = (N + NC - 1) / NC;
-#pragma omp parallel for schedule(static) if (N * K * M >= PAR_MIN_WORK)
+#pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {

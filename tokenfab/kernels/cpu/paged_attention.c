@@ -719,7 +719,7 @@ static int run(const Args *a) {
      * more than it saves, and on a busy machine a preempted thread holds the barrier for a time slice */
     int64_t work = 0;
     for (int64_t i = 0; i < n_tasks; i++) work += tasks[i].cost * (a->D + a->Dv);
-#pragma omp parallel if (work >= ((int64_t)1 << 20))
+#pragma omp parallel num_threads(tf_nthreads()) if (work >= ((int64_t)1 << 20))
     {
         float *buf = NULL;
         int64_t cap = 0;

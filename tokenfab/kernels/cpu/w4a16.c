@@ -160,7 +160,7 @@ int w4a16_matmul(const void *x, int x_bf16, int64_t sx, const uint8_t *q, int64_
     }
     int failed = 0;
     const size_t sb = scale_bytes(scale_kind);
-#pragma omp parallel
+#pragma omp parallel num_threads(tf_nthreads())
     {
         float *restrict lo = malloc(sizeof(float) * (size_t)(2 * k2 > 0 ? 2 * k2 : 1));
         float *restrict hi = lo ? lo + k2 : NULL;
@@ -201,7 +201,7 @@ int w4a16_dequant(const uint8_t *q, int64_t sq, const void *scales, int scale_ki
     const int64_t k2 = (k + 1) / 2;
     int failed = 0;
     const size_t sb = scale_bytes(scale_kind);
-#pragma omp parallel
+#pragma omp parallel num_threads(tf_nthreads())
     {
         float *restrict lo = malloc(sizeof(float) * (size_t)(2 * k2 > 0 ? 2 * k2 : 1));
         float *restrict hi = lo ? lo + k2 : NULL;
