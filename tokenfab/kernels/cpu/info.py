@@ -9,6 +9,8 @@ result or a test can say what ran.
 
 from __future__ import annotations
 
+import torch
+
 from tokenfab.kernels.cpu import native_library
 from tokenfab.kernels.cpu.ggml_matmul import ggml_kernel_info
 
@@ -29,7 +31,8 @@ def cpu_kernel_info() -> dict:
     if lib is None:
         ref = "torch reference"
         return {"native": False, "paged_attention": ref, "elementwise": ref, "w4a16": ref, "fp8": ref,
-                "ggml_f32": ref, "ggml_q8": ref, "f16c": False, "ggml": ggml}
+                "ggml_f32": ref, "ggml_q8": ref, "f16c": False, "ggml": ggml,
+                "threads": torch.get_num_threads()}
     bits = int(lib.tf_cpu_isa())
     base = _base(bits)
     return {
@@ -43,4 +46,5 @@ def cpu_kernel_info() -> dict:
         "ggml_q8": ggml["q8_path"],
         "f16c": bool(bits & _F16C),
         "ggml": ggml,
+        "threads": int(lib.tf_get_num_threads()),  # every parallel region's count (threads.c)
     }
