@@ -117,20 +117,31 @@ def test_indexer_ties_do_not_depend_on_the_batch(case, tmp_path):
                                        atol=1e-4, rtol=0)
 
 
-def test_through_triton_kernels(tmp_path, monkeypatch):
-    """The engine on the Triton kernels (interpreter): indexer scores, top-k, sparse MLA, MoE; a batch
-    of long and short contexts with a prompt arriving mid-decode equals transformers per request."""
+def _through_triton(tmp_path, monkeypatch, prompts, arrivals, max_tokens: int, **overrides) -> None:
     from tokenfab.kernels._launch import interpreting
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
-    hf = save_tiny_dsa("glm_moe_dsa", tmp_path)
+    hf = save_tiny_dsa("glm_moe_dsa", tmp_path, **overrides)
     engine = _engine(tmp_path, max_num_batched_tokens=8)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
-    prompts, arrivals = BATCH_PROMPTS[:3], BATCH_ARRIVALS[:3]
-    tokens, logprobs, batches = run_batch(engine, prompts, 6, arrivals)
+    tokens, logprobs, batches = run_batch(engine, prompts, max_tokens, arrivals)
     assert {"mixed", "long+short decodes"} <= paths_reached(batches, hf.config.index_topk)
     assert_batch_matches_hf(hf, prompts, tokens, logprobs)
+
+
+def test_through_triton_kernels(tmp_path, monkeypatch):
+    """The engine on the Triton kernels (interpreter): indexer scores, top-k, sparse MLA, MoE; a context
+    longer than index_topk (8 prompt tokens) beside a short prompt arriving mid-decode (a mixed step, then
+    long and short decodes) equals transformers per request. Two layers: a dense one with its own indexer,
+    a MoE one reusing its selection (the slow twin: the three-layer model, three prompts)."""
+    _through_triton(tmp_path, monkeypatch, [list(range(30, 38)), [5, 17, 42]], [0, 1], 4,
+                    num_hidden_layers=2, indexer_types=["full", "shared"])
+
+
+@pytest.mark.slow
+def test_through_triton_kernels_three_prompts(tmp_path, monkeypatch):
+    _through_triton(tmp_path, monkeypatch, BATCH_PROMPTS[:3], BATCH_ARRIVALS[:3], 6)
 
 
 def test_selection_matters(tiny):

@@ -107,12 +107,33 @@ def _path_without_cc(tmp_path: Path) -> str:
     return str(bin_dir)
 
 
-def test_c_kernel_section_is_skipped_with_a_reason_without_cc(tmp_path):
-    out = tmp_path / "out"
-    env = dict(os.environ, PATH=_path_without_cc(tmp_path), OUT=str(out), PYTHON=sys.executable,
-               GPU_CHECK_SECTIONS="c_kernels")
-    env.pop("CC", None)
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The two dry runs of the script below, started together: each spends most of its time in a
+    single-threaded Python start-up (torch's import), so side by side they take about the time of one
+    on a two-core machine. name -> (the finished process, its $OUT)."""
+    root = tmp_path_factory.mktemp("gpu_check_runs")
+    no_cc = dict(os.environ, PATH=_path_without_cc(root), OUT=str(root / "no_cc"), PYTHON=sys.executable,
+                 GPU_CHECK_SECTIONS="c_kernels")
+    no_cc.pop("CC", None)
+    spent = dict(os.environ, OUT=str(root / "spent"), PYTHON=sys.executable, GPU_CHECK_BUDGET_S="10",
+                 GPU_CHECK_SECTIONS="warmup engine_correctness kernel_tests")
+    procs = {name: subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+             for name, env in (("no_cc", no_cc), ("spent", spent))}
+    runs = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        runs[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), root / name)
+    return runs
+
+
+def test_c_kernel_section_is_skipped_with_a_reason_without_cc(script_runs):
+    proc, out = script_runs["no_cc"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "gpu_report.json").read_text())
     (section,) = report["sections"]
@@ -122,12 +143,9 @@ def test_c_kernel_section_is_skipped_with_a_reason_without_cc(tmp_path):
     assert "no C compiler" in (out / "gpu_report.md").read_text()
 
 
-def test_a_spent_budget_is_reported_not_overrun(tmp_path):
+def test_a_spent_budget_is_reported_not_overrun(script_runs):
     """With no time left every section is recorded as not run, and the verdict fails."""
-    out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, GPU_CHECK_BUDGET_S="10",
-               GPU_CHECK_SECTIONS="warmup engine_correctness kernel_tests")
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+    proc, out = script_runs["spent"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "gpu_report.json").read_text())
     assert [s["status"] for s in report["sections"]] == ["not_run"] * 3
