@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.kernels.paged_batch import seq_lens, shuffled_block_tables
+from tests.kernels.tiers import tiered
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import attention
 
@@ -42,9 +43,15 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_paged_decode(case, dtype, gen, device):
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("n,dtype", tiered(
+    [(f"case{n}", dtype) for n in range(len(DECODE_CASES)) for dtype in (F32, BF16)],
+    # slow: the other dtype of each case but the first (both dtypes run fast on the first case)
+    lambda n, dtype: n != "case0" and dtype == (BF16 if int(n[4:]) % 2 == 0 else F32)))
+def test_paged_decode(n, dtype, gen, device):
+    case = DECODE_CASES[int(n[4:])]
     ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks, splits = case
     q, kc, vc, bt, _, ctx = _batch([1] * len(ctx_lens), ctx_lens, hq, hkv, d, bs, dtype, gen, device)
     sinks = _sinks(use_sinks, hq, gen, device)
@@ -73,9 +80,12 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill(case, dtype, gen, device):
+@pytest.mark.parametrize("n,dtype", tiered(
+    [(f"case{n}", dtype) for n in range(len(PREFILL_CASES)) for dtype in (F32, BF16)],
+    # slow: the other dtype of each case but the last, cheap one (both dtypes run fast on it)
+    lambda n, dtype: n != "case4" and dtype == (F32 if int(n[4:]) % 2 == 0 else BF16)))
+def test_prefill(n, dtype, gen, device):
+    case = PREFILL_CASES[int(n[4:])]
     q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = case
     q, kc, vc, bt, cu, ctx = _batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, device)
     sinks = _sinks(use_sinks, hq, gen, device)

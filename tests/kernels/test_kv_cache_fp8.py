@@ -20,11 +20,13 @@ import torch
 from tests.kernels.test_attention import _batch
 from tests.kernels.test_dsa import DI, ROPE, R, _dsa_batch, _indices
 from tests.kernels.test_mla import _batch as _mla_batch
+from tests.kernels.tiers import fast_dtypes
 from tests.kernels.tolerances import FP8_KV_VS_UNQUANTIZED, assert_close
 from tokenfab.kernels import attention, dsa, kv_cache, mla
 
 FP8 = torch.float8_e4m3fn
-DTYPES = [torch.float32, torch.bfloat16]
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPES = [F32, BF16]
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -54,11 +56,13 @@ def _wide_range(shape, gen, device) -> torch.Tensor:
 # ----------------------------------------------------------------------------- store_kv
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [(7, 3, 40, 24, 3, 4), (5, 2, 64, 64, 4, 16), (1, 8, 128, 128, 2, 16)])
+STORE_CASES = {"case0": (7, 3, 40, 24, 3, 4), "case1": (5, 2, 64, 64, 4, 16), "case2": (1, 8, 128, 128, 2, 16)}
+
+
+@pytest.mark.parametrize("case,dtype", fast_dtypes(DTYPES, {"case0": DTYPES, "case1": [F32], "case2": [BF16]}))
 def test_store_kv_fp8_is_the_definition(case, dtype, gen, device):
     """Triton and reference write exactly the definition's bytes; slot -1 is skipped, other slots untouched."""
-    t, h, dk, dv, nb, bs = case
+    t, h, dk, dv, nb, bs = STORE_CASES[case]
     k = _wide_range((t, h, dk), gen, device).to(dtype)
     v = torch.randn(t, h, dv, generator=gen).to(dtype).to(device)
     slots = torch.randperm(nb * bs, generator=gen)[:t]
@@ -166,10 +170,9 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", DECODE_CASES)
+@pytest.mark.parametrize("case,dtype", fast_dtypes(DTYPES, {"case0": [F32], "case1": [BF16], "case2": DTYPES}))
 def test_decode_fp8(case, dtype, gen, device):
-    ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks, splits = case
+    ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks, splits = DECODE_CASES[int(case[4:])]
     q, kc, vc, k8, v8, ks, vs, bt, cu, ctx = _fp8_batch([1] * len(ctx_lens), ctx_lens, hq, hkv, d, bs, dtype, gen,
                                                         device)
     sinks = (torch.randn(hq, generator=gen) * 2).to(device) if use_sinks else None
@@ -186,10 +189,9 @@ MIXED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.parametrize("case,dtype", fast_dtypes(DTYPES, {"case0": [F32], "case1": [BF16]}))
 def test_prefill_and_mixed_fp8(case, dtype, gen, device):
-    q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = case
+    q_lens, ctx_lens, hq, hkv, d, bs, window, softcap, use_sinks = MIXED_CASES[int(case[4:])]
     q, kc, vc, k8, v8, ks, vs, bt, cu, ctx = _fp8_batch(q_lens, ctx_lens, hq, hkv, d, bs, dtype, gen, device)
     sinks = (torch.randn(hq, generator=gen) * 2).to(device) if use_sinks else None
     rest = (bt, cu, ctx, max(q_lens), max(ctx_lens), d**-0.5, window, softcap, sinks)
@@ -248,14 +250,16 @@ def _mla_fp8(q_lens, ctx_lens, h, r, rope, bs, dtype, gen, device):
     return q, cache, _quantize(cache, s), s, bt, cu, ctx
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [
+MLA_CASES = [
     # query lengths, context lengths, heads, rank, rope, block size, splits
     ([1, 1, 1], [1, 16, 37], 4, 32, 16, 16, 4),  # decode, one key, a block boundary, splits
     ([1, 7, 1, 20, 0], [9, 7, 33, 52, 4], 5, 48, 8, 16, 1),  # mixed (a zero-length row), odd heads, rank 48
-])
+]
+
+
+@pytest.mark.parametrize("case,dtype", fast_dtypes(DTYPES, {"case0": [F32], "case1": [BF16]}))
 def test_mla_fp8(case, dtype, gen, device):
-    q_lens, ctx_lens, h, r, rope, bs, splits = case
+    q_lens, ctx_lens, h, r, rope, bs, splits = MLA_CASES[int(case[4:])]
     q, cache, c8, s, bt, cu, ctx = _mla_fp8(q_lens, ctx_lens, h, r, rope, bs, dtype, gen, device)
     rest = (bt, cu, ctx, max(q_lens), max(ctx_lens), (r + rope) ** -0.5, r)
     out = mla._mla_attention_triton(q, c8, *rest, s, num_splits=splits)
@@ -291,7 +295,7 @@ def test_store_latent_fp8(dtype, gen, device):
         mla.store_latent_ref(latent, rest, cache0.clone(), slots)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=pytest.mark.slow), BF16])  # fast: bf16 (~6 s each)
 def test_dsa_fp8(dtype, gen, device):
     """Sparse MLA over an fp8 row cache; the indexer on the same cache picks the keys it picks on the
     dequantized cache (the scale is a power of two, so dequantizing scales every score exactly)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.tiers import tiered
 from tests.kernels.tolerances import assert_train_close, assert_train_close_scaled
 from tokenfab.kernels import loss as L
 
@@ -14,7 +15,10 @@ F32, BF16 = torch.float32, torch.bfloat16
 IGNORE = -100
 
 
-@pytest.fixture(params=["triton", "torch"])
+PATHS = ["triton", "torch"]
+
+
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch) -> str:
     """TOKENFAB_KERNELS=triton: the Triton row kernel (interpreter on CPU); torch: the chunked torch path."""
     monkeypatch.setenv("TOKENFAB_KERNELS", request.param)
@@ -64,8 +68,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("t,h,v,chunk", CASES)
+def _slow_plain(path, t, h, v, chunk, dtype) -> bool:
+    """Slow tier: the 260-token case on the Triton path (its default chunk is torch code, fast on the
+    torch path; the row kernel is the same at any row count) and one dtype of the 37-token and of the
+    large-vocabulary case (both dtypes stay on the one-token and the V=257 case)."""
+    n = CASES.index((t, h, v, chunk))
+    return (path == "triton" and n == 4) or (dtype == F32 and (n == 2 or (path == "triton" and n == 1)))
+
+
+@pytest.mark.parametrize("path,t,h,v,chunk,dtype", tiered(
+    [(p, *case, dtype) for p in PATHS for case in CASES for dtype in (F32, BF16)], _slow_plain), indirect=["path"])
 def test_plain_and_ignore(t, h, v, chunk, dtype, path, device, gen):
     hid, w, b, labels = _inputs(t, h, v, dtype, device, gen, ignore=range(0, t, 3) if t > 1 else ())
     _check_against_oracle(hid, w, b, labels, dtype, chunk_size=chunk)
@@ -81,8 +93,14 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def _slow_option(path, opts, dtype) -> bool:
+    """Slow tier: on the Triton path each option in one dtype, alternating (both dtypes run the kernel
+    fast in test_plain_and_ignore); the torch path keeps both."""
+    return path == "triton" and dtype == (F32 if OPTIONS.index(opts) % 2 else BF16)
+
+
+@pytest.mark.parametrize("path,opts,dtype", tiered(
+    [(p, opts, dtype) for p in PATHS for opts in OPTIONS for dtype in (F32, BF16)], _slow_option), indirect=["path"])
 def test_options(opts, dtype, path, device, gen):
     opts = dict(opts)
     bias = opts.pop("bias", False)
@@ -123,8 +141,9 @@ def test_batched_leading_dims(path, device, gen):
     assert_train_close(hid3.grad.view(12, 16), g_ref)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("smoothing,z", [(0.0, 0.0), (0.1, 1e-2)])
+@pytest.mark.parametrize("smoothing,z,dtype", tiered(
+    [(0.0, 0.0, F32), (0.1, 1e-2, BF16), (0.0, 0.0, BF16), (0.1, 1e-2, F32)],
+    lambda smoothing, z, dtype: (smoothing > 0) == (dtype == F32)))  # slow: the other dtype of each
 def test_row_kernel_matches_torch_rows(smoothing, z, dtype, device, gen):
     """Rule 1: the Triton row kernel against its torch twin (``ce_chunk_ref``), loss, lse and the in-place grad."""
     c, v = 11, 5000

@@ -44,6 +44,12 @@ def test_weights_stay_packed(ckpt):
     assert 0.5625 < q["bytes_per_param"] < 0.5625 + 4 / 64  # 4.5 bits + the per-row global (K >= 64 here)
 
 
+# the declaration routes differ in loading only (test_weights_stay_packed runs both fast): the engine runs
+# below take the quantization_config route in the slow tier
+ROUTES = ["hf_quant_config", pytest.param("quantization_config", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("ckpt", ROUTES, indirect=True)
 def test_logits_match_twin_and_greedy_matches_transformers(ckpt):
     import transformers
 
@@ -59,6 +65,7 @@ def test_logits_match_twin_and_greedy_matches_transformers(ckpt):
         assert tokens == ids[len(prompt):]
 
 
+@pytest.mark.parametrize("ckpt", ROUTES, indirect=True)
 def test_through_triton_kernels(ckpt, monkeypatch):
     from tokenfab.kernels._launch import interpreting
 
