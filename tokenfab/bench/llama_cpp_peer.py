@@ -50,30 +50,36 @@ def settings() -> dict[str, Any]:
 
 
 class LlamaCppServer:
-    """``llama_cpp_server.sh serve PORT`` in a child process, ready once /v1/models answers."""
+    """``llama_cpp_server.sh COMMAND PORT`` in a child process, ready once ``ready_path`` answers 200:
+    ``serve`` (llama_cpp.server, ready on /v1/models) by default; ``serve-native`` (llama-server,
+    ready on /health once the model is loaded) for `LlamaServer`."""
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 180.0) -> None:
+    name = "llama.cpp server"
+
+    def __init__(self, port: int | None = None, startup_timeout: float = 180.0, command: str = "serve",
+                 env: dict[str, str] | None = None, ready_path: str = "/v1/models") -> None:
         import httpx
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_cpp_server_{self.port}.log"
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_cpp_{command}_{self.port}.log"
         with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen(["bash", str(SCRIPT), "serve", str(self.port)], stdout=fh,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(["bash", str(SCRIPT), command, str(self.port)], stdout=fh,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited ({self.proc.returncode}); log: "
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); log: "
                                    f"{self.log.read_text(errors='replace')[-800:]}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"llama.cpp server did not answer within {startup_timeout:.0f}s")
+                raise RuntimeError(f"{self.name} did not answer within {startup_timeout:.0f}s; log: {self.log}")
             time.sleep(0.5)
 
     def stop(self) -> None:

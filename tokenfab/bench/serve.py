@@ -6,11 +6,13 @@ requests, time to first token (TTFT), time per output token (TPOT: (last - first
 (tokens - 1)) and inter-token latency (ITL, per token: see ``serve_client``) at p50/p90/p99, as a
 Markdown table, JSON (``--json``) and a PNG (``--plot``).
 
-A peer in the same run (``--llama-cpp`` starts llama.cpp's server on the same GGUF with
-``scripts/llama_cpp_server.sh``; ``--peer-base-url`` names any other) gets the same prompts,
-output lengths, warm-up and levels, interleaved with ours level by level. Where the peer cannot
-stream at a level (llama.cpp above concurrency 1), it gets non-streamed requests, and so does our
-server in an extra row at that level, so that every peer row has a like-for-like row of ours.
+A peer in the same run (``--llama-cpp`` starts llama-cpp-python's server on the same GGUF with
+``scripts/llama_cpp_server.sh``, ``--llama-server`` llama.cpp's native `llama-server` with parallel
+slots and continuous batching, streamed at every level; ``--peer-base-url`` names any other) gets
+the same prompts, output lengths, warm-up and levels, interleaved with ours level by level. Where
+the peer cannot stream at a level (llama-cpp-python's server above concurrency 1), it gets
+non-streamed requests, and so does our server in an extra row at that level, so that every peer
+row has a like-for-like row of ours.
 The command exits with 1 when any request failed.
 
     tokenfab bench serve --base-url http://127.0.0.1:8000 --concurrency 1,4,16 --num-requests 32 --llama-cpp
@@ -29,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenfab.bench import llama_cpp_peer, llama_server_peer
 from tokenfab.bench.common import git_commit, git_dirty, load_average, machine
 from tokenfab.bench.serve_client import RequestResult, one_plain, one_streamed
 
@@ -81,8 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a setting of the server under test to print in the report (repeatable), "
                              "e.g. dtype=float32 threads=2")
     peer = parser.add_argument_group("peer (measured in the same run, interleaved level by level)")
-    peer.add_argument("--llama-cpp", action="store_true",
-                      help="start llama.cpp's server on the bundled GGUF (scripts/llama_cpp_server.sh) as the peer")
+    started = peer.add_mutually_exclusive_group()
+    started.add_argument("--llama-cpp", action="store_true", help="start llama-cpp-python's server on the bundled "
+                         "GGUF (scripts/llama_cpp_server.sh serve) as the peer")
+    started.add_argument("--llama-server", action="store_true", help="start llama.cpp's native llama-server "
+                         "(-np N -cb, scripts/llama_cpp_server.sh serve-native) as the peer; not with --peer-base-url")
+    peer.add_argument("--llama-server-parallel", type=int, default=None, metavar="N",
+                      help="llama-server's slots (default $LLAMA_CPP_PARALLEL or 16)")
     peer.add_argument("--peer-base-url", default=None, help="an already running peer (with --llama-cpp: "
                       "a llama_cpp.server started by hand)")
     peer.add_argument("--peer-label", default=None)
@@ -296,14 +304,23 @@ async def _main(args: argparse.Namespace, targets: list[Target], transport: Any 
 
 
 def run(args: argparse.Namespace, transport: Any = None) -> int:
+    if args.llama_server:
+        problem = ("--llama-server: not allowed with --peer-base-url (it starts its own llama-server)"
+                   if args.peer_base_url else llama_server_peer.missing_binary_message())
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     ours = Target(args.label or "tokenfab", _root(args.base_url), args.model, settings=_settings(args.settings))
     targets = [ours]
     launched = None
     commit, dirty = git_commit(), git_dirty()  # at the start (HEAD may move during a long run)
     try:
-        if args.llama_cpp:
-            from tokenfab.bench import llama_cpp_peer
-
+        if args.llama_server:
+            launched = llama_server_peer.LlamaServer(args.llama_server_parallel)
+            targets.append(Target(args.peer_label or "llama-server", launched.url, args.peer_model,
+                                  args.peer_stream_up_to, llama_server_peer.server_payload,
+                                  llama_server_peer.settings(launched.parallel, launched.url)))
+        elif args.llama_cpp:
             url = args.peer_base_url
             if url is None:
                 launched = llama_cpp_peer.LlamaCppServer()
