@@ -163,10 +163,17 @@ def test_scale_fmt_ue8m0_reaches_the_layers(tmp_path):
     assert "ue8m0" in model.quant_method.describe()
 
 
-def test_fp8_model_compiles_fullgraph(tmp_path_factory):
+@pytest.mark.parametrize("layers", [1, pytest.param(None, marks=pytest.mark.slow)])
+def test_fp8_model_compiles_fullgraph(tmp_path_factory, layers):
     """An FP8 model's forward (DeepSeek: FP8 linears, FP8 experts, MLA reading the dequantized kv_b_proj)
-    traces as one graph and gives the eager logits."""
-    _, root, _ = _build("deepseek-edge", tmp_path_factory)
+    traces as one graph and gives the eager logits. Fast tier: the edge case's shapes in one MoE layer
+    (attention, shared and routed experts all FP8); slow twin: the whole 3-layer edge model (a dense layer too)."""
+    if layers is None:
+        _, root, _ = _build("deepseek-edge", tmp_path_factory)
+    else:
+        root = tmp_path_factory.mktemp("deepseek-edge-1layer")
+        save_tiny_deepseek(root / "src", num_hidden_layers=layers, first_k_dense_replace=0, **CASES["deepseek-edge"][1])
+        write_fp8_block_checkpoint(root / "src", root / "fp8")
     got, expected = compiled_and_eager_logits(_engine(root / "fp8"), "aot_eager")
     torch.testing.assert_close(got, expected, **LOGIT_TOL)
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.models.test_deepseek import save_tiny_deepseek
 from tests.quant.layouts_w4 import with_twin, write_int4_ct_checkpoint
-from tests.tiny_models import hf_greedy_tokens, run_capturing_logits, save_tiny_model, small_engine, tiny_config
+from tests.tiny_models import hf_logits, run_capturing_logits, save_tiny_model, small_engine, tiny_config
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.moe import FusedMoE
 from tokenfab.quant.int4_ct import Int4Experts
@@ -57,12 +57,28 @@ def test_kimi_ignore_list_keeps_only_routed_experts_int4(kimi_like):
         assert held * 128 == full * 20
 
 
+def _hf_greedy_all(path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """hf_greedy_tokens for each prompt, the checkpoint loaded once (the same full forward per token)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    res = []
+    for ids in prompts:
+        out = list(ids)
+        for _ in range(n):
+            out.append(int(hf_logits(hf, out)[-1].argmax()))
+        res.append(out[len(ids):])
+    return res
+
+
 def test_kimi_like_greedy_matches_transformers_and_twin(kimi_like):
     pytest.importorskip("compressed_tensors")
-    for prompt in PROMPTS:
-        tokens, logits = run_capturing_logits(small_engine(kimi_like / "int4"), list(prompt), STEPS)
-        assert tokens == hf_greedy_tokens(kimi_like / "int4", prompt, STEPS)
-        twin_tokens, twin_logits = run_capturing_logits(small_engine(kimi_like / "twin"), list(prompt), STEPS)
+    ours, twin = small_engine(kimi_like / "int4"), small_engine(kimi_like / "twin")  # one engine each, both prompts
+    hf = _hf_greedy_all(kimi_like / "int4", PROMPTS, STEPS)
+    for prompt, hf_tokens in zip(PROMPTS, hf, strict=True):
+        tokens, logits = run_capturing_logits(ours, list(prompt), STEPS)
+        assert tokens == hf_tokens
+        twin_tokens, twin_logits = run_capturing_logits(twin, list(prompt), STEPS)
         assert tokens == twin_tokens
         for a, b in zip(logits, twin_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # fp32: only summation order differs
@@ -77,12 +93,14 @@ def test_dense_llama_int4(llama):
 
     q = weight_bytes_report(model)["quantized"]
     assert q["bytes_per_param"] == pytest.approx(0.5 + 4 / 32)  # nibbles + an fp32 scale per 32 (fp32 model)
-    for prompt in PROMPTS:
-        tokens, logits = run_capturing_logits(small_engine(llama / "int4"), list(prompt), STEPS)
-        _, twin_logits = run_capturing_logits(small_engine(llama / "twin"), list(prompt), STEPS)
+    ours, twin = small_engine(llama / "int4"), small_engine(llama / "twin")
+    hf = _hf_greedy_all(llama / "int4", PROMPTS, STEPS)
+    for prompt, hf_tokens in zip(PROMPTS, hf, strict=True):
+        tokens, logits = run_capturing_logits(ours, list(prompt), STEPS)
+        _, twin_logits = run_capturing_logits(twin, list(prompt), STEPS)
         for a, b in zip(logits, twin_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        assert tokens == hf_greedy_tokens(llama / "int4", prompt, STEPS)
+        assert tokens == hf_tokens
 
 
 def test_through_triton_kernels(kimi_like, llama, monkeypatch):

@@ -9,6 +9,8 @@ deterministic. Each test also shows that a deliberately wrong rule is caught at 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,9 @@ from tokenfab.speculative.accept import accept_tokens
 
 ALPHA = 1e-4  # the chance that a correct rule fails one chi-square test here
 V = 10
+# sample sizes: the fast tier's (enough for the wrong rules to be caught at p < 1e-100) and the full ones (slow twins)
+N_ONE = [5000, pytest.param(20000, marks=pytest.mark.slow)]
+N_TWO = [8000, pytest.param(30000, marks=pytest.mark.slow)]
 
 
 def _seq(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), out=()) -> Sequence:
@@ -180,9 +185,9 @@ def _first_tokens(settings: dict, n: int, q_rows: np.ndarray | None, drafts0: np
     return np.array([o[0] for o in out])
 
 
+@pytest.mark.parametrize("n", N_ONE)
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_first_token_distribution_is_the_target(settings):
-    n = 20000
+def test_first_token_distribution_is_the_target(settings, n):
     p = filtered_distribution(T_LOGITS, **settings)
     drafts = _draw(Q0, n, seed=7)
     first = _first_tokens(settings, n, Q0, drafts)
@@ -192,8 +197,8 @@ def test_first_token_distribution_is_the_target(settings):
     assert _chi2_pvalue(np.bincount(first, minlength=V), p) > ALPHA
 
 
-def test_wrong_rules_are_caught():
-    n = 20000
+@pytest.mark.parametrize("n", N_ONE)
+def test_wrong_rules_are_caught(n):
     settings = SETTINGS[1]
     p = filtered_distribution(T_LOGITS, **settings)
     drafts = _draw(Q0, n, seed=7)
@@ -209,15 +214,18 @@ def test_wrong_rules_are_caught():
 # ---------------------------------------------------------------- sampled: two tokens, k = 2
 
 
+@functools.cache  # a few distinct arguments, called per request: computed once (read-only)
 def _l1(x0: int) -> np.ndarray:
     """The target's logits for the second token given the first (a known conditional)."""
     return np.roll(T_LOGITS, x0) + 0.3 * np.arange(V) / V
 
 
+@functools.cache  # a few distinct arguments, called per request: computed once (read-only)
 def _l2(x0: int, x1: int) -> np.ndarray:
     return np.roll(T_LOGITS, x0 + 2 * x1)
 
 
+@functools.cache  # a few distinct arguments, called per request: computed once (read-only)
 def _q1(x0: int) -> np.ndarray:
     return np.roll(Q0, 3 * x0)
 
@@ -250,9 +258,9 @@ def _first_two(settings: dict, n: int, seed: int, point_mass: bool = False) -> n
 @pytest.mark.parametrize("settings,point_mass", [(SETTINGS[0], False),
                                                  (dict(temperature=0.8, top_k=5, top_p=0.95, min_p=0.0), False),
                                                  (dict(temperature=0.8, top_k=5, top_p=0.95, min_p=0.0), True)])
-def test_first_two_tokens_joint_distribution(settings, point_mass):
+@pytest.mark.parametrize("n", N_TWO)
+def test_first_two_tokens_joint_distribution(settings, point_mass, n):
     """k = 2 with the draft's q (draft model) or as point masses (n-gram/suffix drafts)."""
-    n = 30000
     pairs, drafted = _first_two(settings, n, seed=11, point_mass=point_mass)
     p0 = filtered_distribution(T_LOGITS, **settings)
     joint = np.stack([p0[a] * filtered_distribution(_l1(a), **settings) for a in range(V)]).reshape(-1)
