@@ -7,11 +7,13 @@ ragged lengths, block boundaries, GQA/MQA, windows, softcap, sinks, strided inpu
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 import tokenfab.kernels.cpu as native_lib
+from tests.kernels.native_builds import PORTABLE, cache_dir, run_python
 from tests.kernels.test_attention import DECODE_CASES, PREFILL_CASES, _batch, _sinks
 from tests.kernels.tolerances import assert_close
 from tokenfab import kernels
@@ -254,7 +256,9 @@ def test_disabled_by_environment(monkeypatch, gen):
 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
-    """A compiler that fails leaves the engine on the reference path, with the reason logged."""
+    """A compiler that fails leaves the engine on the reference path, with the reason logged; with a
+    real compiler again the next call loads a library (the session's portable build: its compile is
+    ``native_builds.cache_dir``'s, through the same ``_build``)."""
     monkeypatch.setattr(native_lib, "_library", None)
     monkeypatch.setattr(native_lib, "_tried", False)
     monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(tmp_path))
@@ -262,11 +266,16 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert native_lib.native_library() is None
     assert "building the CPU kernels failed" in caplog.text
-    # and a real compiler builds into the cache directory
+    assert not list((tmp_path / "cpu_kernels").glob("tokenfab_cpu_*.so"))
+    # and a real compiler gives a library from the cache directory
     monkeypatch.setattr(native_lib, "_tried", False)
     monkeypatch.delenv("CC")
-    assert native_lib.native_library() is not None
-    assert list((tmp_path / "cpu_kernels").glob("tokenfab_cpu_*.so"))
+    shared = cache_dir(PORTABLE)
+    monkeypatch.setenv("TOKENFAB_CPU_CFLAGS", PORTABLE)
+    monkeypatch.setenv("TOKENFAB_CACHE_DIR", str(shared))
+    lib = native_lib.native_library()
+    assert lib is not None
+    assert Path(lib._name).parent == shared / "cpu_kernels"
 
 
 def test_build_errors_are_reported(monkeypatch, tmp_path):
@@ -306,16 +315,8 @@ print("portable ok")
 """
 
 
-def test_portable_build_without_avx512(tmp_path):
-    """Machines without AVX-512 (or AVX512-BF16) run the kernels' portable loops: build the
-    library for plain x86-64-v2 into a fresh cache and check it against the references."""
-    import os
-    import sys
-
-    env = dict(os.environ, TOKENFAB_CPU_CFLAGS="-march=x86-64-v2", TOKENFAB_CACHE_DIR=str(tmp_path))
-    env.pop("TOKENFAB_CPU_NATIVE", None)
-    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "portable ok" in proc.stdout
-    assert list((tmp_path / "cpu_kernels").glob("tokenfab_cpu_*.so"))
+def test_portable_build_without_avx512():
+    """Machines without AVX-512 (or AVX512-BF16) run the kernels' portable loops: the library built for
+    plain x86-64-v2 (the session's shared build) against the references."""
+    assert "portable ok" in run_python(PORTABLE, ["-c", PORTABLE_CHECK], timeout=300)
+    assert list((cache_dir(PORTABLE) / "cpu_kernels").glob("tokenfab_cpu_*.so"))

@@ -2,8 +2,9 @@
 
 The library picks AVX-512, AVX2 + FMA (+ F16C, + AVX-VNNI for the int8 dots) or portable C at build
 time from its target (``-march=native``: the CPU's CPUID flags). This machine's own build runs in this
-process; the other paths are built into fresh caches (``TOKENFAB_CPU_CFLAGS``, ``TOKENFAB_CACHE_DIR``)
-and run ``tests/kernels/cpu_isa_cases.py`` in a subprocess, once per test session each. A build the
+process; the other paths are built into fresh caches (``TOKENFAB_CPU_CFLAGS``, ``TOKENFAB_CACHE_DIR``),
+once per test session each and shared with the other modules that need them (``native_builds.py``),
+and run ``tests/kernels/cpu_isa_cases.py`` in a subprocess. A build the
 CPU cannot run is skipped with the missing CPUID flags named, after checking that it compiles.
 The AVX2 build runs in the fast tests; the rest of the matrix (~30 s a build) is marked slow.
 
@@ -16,13 +17,13 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import tokenfab.kernels.cpu as native_lib
+from tests.kernels.native_builds import AVX2, PORTABLE, run_python
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels.cpu.ggml_matmul import ggml_kernel_info
 from tokenfab.kernels.cpu.info import cpu_kernel_info
@@ -32,11 +33,11 @@ FAMILIES = ("paged_attention", "elementwise", "w4a16", "fp8", "ggml_f32", "ggml_
 
 # name: (TOKENFAB_CPU_CFLAGS, the /proc/cpuinfo flags it needs, the path every family must report)
 VARIANTS = {
-    "avx2": ("-march=x86-64-v3", ("avx2", "fma", "f16c", "bmi2", "movbe"), "avx2"),
+    "avx2": (AVX2, ("avx2", "fma", "f16c", "bmi2", "movbe"), "avx2"),
     "avx2-vnni": ("-march=x86-64-v3 -mavxvnni", ("avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"), "avx2"),
     # AVX-512 without AVX512-BF16 (the native build here adds it): bfloat16 caches then match AVX2 too
     "avx512": ("-march=x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"), "avx512"),
-    "scalar": ("-march=x86-64", (), "scalar"),
+    "scalar": (PORTABLE, (), "scalar"),  # no AVX (x86-64-v2; the C has no SSE-level code paths)
 }
 
 # What the paths may differ by, per family (the reference comparison always uses assert_close).
@@ -101,12 +102,7 @@ def compile_only(cflags: str, out: Path) -> None:
 
 def _run_variant(variant: str, root: Path) -> dict:
     out = root / f"{variant}.pt"
-    env = dict(os.environ, TOKENFAB_CPU_CFLAGS=VARIANTS[variant][0], TOKENFAB_CACHE_DIR=str(root / variant))
-    env.pop("TOKENFAB_CPU_NATIVE", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.cpu_isa_cases", str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python(VARIANTS[variant][0], ["-m", "tests.kernels.cpu_isa_cases", str(out)], timeout=600)
     return torch.load(out)
 
 

@@ -8,7 +8,7 @@
   the quantize-dequantized activations bit for bit, ties included; and the q8 kernel equals its
   reference bit for bit (both sum the block terms in float64 in one fixed order), on random and
   adversarial inputs.
-- The portable builds (plain x86-64: the scalar C; Haswell: AVX2 without VNNI) agree with the
+- The portable builds (no AVX: the scalar C; x86-64-v3: AVX2 without VNNI) agree with the
   native build, and ``TOKENFAB_CPU_NATIVE=0`` runs the reference.
 """
 
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,13 +24,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from tests.kernels.native_builds import AVX2, PORTABLE, finish, start_python
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels.cpu import ggml_matmul as gm
 from tokenfab.kernels.cpu import native_library
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 ACTS = ("f32", "q8")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 needs_native = pytest.mark.skipif(native_library() is None, reason="no C compiler: the native kernel is not built")
 
@@ -334,32 +331,31 @@ _CASES = [[qt, act, m, 45, 576, i] for i, (qt, act, m) in enumerate(
     (qt, act, m) for qt in QTYPES for act in ACTS for m in (1, 3, 9))]  # M=3, 9: the AVX2 path's 2-row tiles
 
 
-def _run_build(tmp_path, cflags: str) -> dict:
-    env = dict(os.environ, TOKENFAB_CPU_CFLAGS=cflags, TOKENFAB_CACHE_DIR=str(tmp_path / cflags.strip("-")))
-    env.pop("TOKENFAB_CPU_NATIVE", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, json.dumps(_CASES)], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @needs_native
-def test_portable_builds_equal_native(tmp_path):
-    """The scalar C (plain x86-64) and the AVX2 path without VNNI (Haswell) give the native
-    build's results within the float32 tolerance (q8: bit for bit, its float64 sum has one fixed
-    order on every path); the builds do report those paths."""
-    namespace = {"__name__": "portable_check"}
-    exec(PORTABLE_CHECK, namespace)
-    native = namespace["run"](_CASES)  # this process's -march=native build
-    for cflags, isa in (("-march=x86-64", "scalar"), ("-march=haswell", "avx2")):
-        other = _run_build(tmp_path, cflags)
-        assert other["info"]["isa"] == isa and other["info"]["vnni"] is False, other["info"]
-        for a, b in zip(other["results"], native["results"], strict=True):
-            assert_close(torch.tensor(a), torch.tensor(b))
-        for case, a, b in zip(_CASES, other["results"][::2], native["results"][::2], strict=True):  # the products
-            if case[1] == "q8":
-                assert torch.equal(torch.tensor(a), torch.tensor(b)), (cflags, case)
+def test_portable_builds_equal_native():
+    """The scalar C (no AVX: x86-64-v2) and the AVX2 path without VNNI (x86-64-v3, Haswell's level) give the
+    native build's results within the float32 tolerance (q8: bit for bit, its float64 sum has one fixed
+    order on every path); the builds do report those paths. The builds are the session's shared ones
+    (tests/kernels/native_builds.py)."""
+    builds = ((PORTABLE, "scalar"), (AVX2, "avx2"))
+    procs = [start_python(cflags, ["-c", PORTABLE_CHECK, json.dumps(_CASES)]) for cflags, _ in builds]  # side by side
+    try:
+        namespace = {"__name__": "portable_check"}
+        exec(PORTABLE_CHECK, namespace)
+        native = namespace["run"](_CASES)  # this process's -march=native build
+        for (cflags, isa), proc in zip(builds, procs, strict=True):
+            other = json.loads(finish(proc, timeout=300).strip().splitlines()[-1])
+            assert other["info"]["isa"] == isa and other["info"]["vnni"] is False, other["info"]
+            for a, b in zip(other["results"], native["results"], strict=True):
+                assert_close(torch.tensor(a), torch.tensor(b))
+            for case, a, b in zip(_CASES, other["results"][::2], native["results"][::2], strict=True):  # products
+                if case[1] == "q8":
+                    assert torch.equal(torch.tensor(a), torch.tensor(b)), (cflags, case)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_bench_shape_runs():
