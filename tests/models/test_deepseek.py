@@ -115,22 +115,25 @@ def test_chunked_prefill_and_prefix_cache(tiny):
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("layers,steps", [(2, 2), pytest.param(3, 3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("expand_from", [128, 8])
-def test_through_triton_kernels(tmp_path, monkeypatch, expand_from):
+def test_through_triton_kernels(tmp_path, monkeypatch, expand_from, layers, steps):
     """The whole engine on the Triton kernels (interpreter on CPU): MLA attention (absorbed prefill
     and decodes; or the prefill expanded through the paged prefill kernel), store, rope, grouped
-    routing, fused MoE; logits still equal transformers'."""
+    routing, fused MoE; logits still equal transformers'. Fast tier: a dense layer and an MoE layer,
+    prefill and one decode; slow twin: the 3-layer model over 3 steps."""
     from tokenfab.kernels._launch import interpreting
     from tokenfab.layers.mla import MLAAttention
 
     if not (torch.cuda.is_available() or interpreting()):
         pytest.skip("triton was imported without the interpreter")
     monkeypatch.setattr(MLAAttention, "expand_min_query_len", expand_from)
-    hf = save_tiny_deepseek(tmp_path, **CASES["v3-yarn"])
+    hf = save_tiny_deepseek(tmp_path, num_hidden_layers=layers, **CASES["v3-yarn"])
     engine = _engine(tmp_path)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     prompt = list(range(30, 43))
-    generated, step_logits = run_capturing_logits(engine, prompt, 3)
+    generated, step_logits = run_capturing_logits(engine, prompt, steps)
+    assert len(step_logits) == steps
     ref = hf_logits(hf, prompt + generated)
     for s, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], ref[len(prompt) - 1 + s], atol=1e-3, rtol=0)
