@@ -18,6 +18,7 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
+from tests.kernels.hopper_harness import session_batch  # noqa: E402
 from tokenfab.kernels._launch import interpreting, patch_interpreter_bf16  # noqa: E402
 
 if interpreting():
@@ -35,3 +36,10 @@ def gen() -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(1234)
     return g
+
+
+@pytest.fixture(scope="session")
+def hopper_batch(request, tmp_path_factory):
+    """The Hopper (sm_90) compile records: every selected test's ``hopper_runs`` compiled in one
+    subprocess and one pool (tests/kernels/hopper_harness.py: ``session_batch``)."""
+    return session_batch(request, tmp_path_factory)

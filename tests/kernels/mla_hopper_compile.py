@@ -99,14 +99,21 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
-def compile_all(only: str | None = None) -> list[dict]:
+# The fast tier's subset (--quick): every kernel at DeepSeek-V3 / V3.2's sizes (decode with and without
+# splits, the mixed batch) and fp32 MLA; the slow tier compiles every workload.
+QUICK = ("dsa index bf16 T=8 Hi64", "dsa topk", "dsa sparse bf16 B64", "mla decode bf16 B64 H128",
+         "mla decode bf16 B1 H128", "mla mixed bf16 T=300", "mla decode fp32")
+
+
+def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
     from tokenfab.kernels import dsa, dsa_indexer, mla, paged
 
-    return compile_workloads([mla, dsa, dsa_indexer, paged], _workloads(), only, on_request=ON_REQUEST)
+    return compile_workloads([mla, dsa, dsa_indexer, paged], _workloads(), only, on_request=ON_REQUEST,
+                             subset=QUICK if quick else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(compile_all, __doc__.splitlines()[0], argv)
+    return run_cli(compile_all, __doc__.splitlines()[0], argv, quick=True)
 
 
 if __name__ == "__main__":

@@ -68,14 +68,22 @@ def _moe(t: int) -> None:
     moe_fp8._fused_experts_fp8_triton(x, w13, s13, w2, s2, 128, 128, torch.full((t, k), 1.0 / k), ids)
 
 
-def compile_all(only: str | None = None) -> list[dict]:
+# The fast tier's subset (--quick): both activation quants, the block and per-channel GEMMs at decode
+# and at the largest tile, the fused MoE at decode and at its largest tile.
+QUICK = ("act quant", "fp8 block gemm llama-8b gate_up 28672x4096 M=1", "fp8 block gemm llama-8b gate_up "
+         "28672x4096 M=4096", "fp8 channel gemm", "fp8 fused moe deepseek-v3 (E=256 top-8 H=7168 I=2048) T=1",
+         "fp8 fused moe deepseek-v3 (E=256 top-8 H=7168 I=2048) T=4096")
+
+
+def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
     from tokenfab.kernels import moe_align, moe_fp8, moe_gemm, quant
 
-    return compile_workloads([quant, moe_fp8, moe_align, moe_gemm], _workloads(), only)
+    return compile_workloads([quant, moe_fp8, moe_align, moe_gemm], _workloads(), only,
+                             subset=QUICK if quick else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(compile_all, __doc__.splitlines()[0], argv)
+    return run_cli(compile_all, __doc__.splitlines()[0], argv, quick=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 ARCHITECTURE.md kernel rule 5: all compile, none spills to local memory, and the attention
 kernels that multiply tiles of at least 64 rows with 16-bit operands use Hopper's warp-group
 MMA (HGMMA in the SASS). The compile runs in a subprocess because this process imported
-triton for the interpreter. The table in tokenfab/kernels/README.md comes from the same
+triton for the interpreter (one for every compile test: the ``hopper_batch`` fixture). The fast tier
+compiles the script's --quick subset (every kernel, at the configs the checks below need); its slow
+twin (``[full]``) every workload, with the same checks. The table in tokenfab/kernels/README.md comes from the same
 script: ``python tests/kernels/hopper_compile.py --markdown``.
 """
 
@@ -11,12 +13,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.hopper_harness import H100_MAX_SHARED, script_records
+from tests.kernels.hopper_harness import H100_MAX_SHARED
+
+
+@pytest.fixture(scope="module", params=[pytest.param([("hopper_compile.py", ("--quick",))], id="quick"),
+                                        pytest.param([("hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
+def hopper_runs(request) -> list:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> list[dict]:
-    return script_records(tmp_path_factory, "hopper_compile.py")
+def records(hopper_batch, hopper_runs) -> list[dict]:
+    return hopper_batch(hopper_runs)
 
 
 def test_every_kernel_compiles(records):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.hopper_harness import assert_fits_hopper
 from tests.kernels.paged_batch import seq_lens, shuffled_block_tables
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import mla, mla_ref
@@ -109,13 +110,15 @@ def test_custom_op_dispatch_and_fake(gen):
         assert torch.ops.tokenfab.mla_attention(fq, fc, fbt, fcu, fctx, 1, 9, 0.2, 32).shape == (2, 2, 32)
 
 
-def test_hopper_compile(tmp_path_factory):
+@pytest.mark.parametrize("hopper_runs", [
+    pytest.param([("mla_hopper_compile.py", ("--quick",))], id="quick"),
+    pytest.param([("mla_hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
+def test_hopper_compile(hopper_batch, hopper_runs):
     """The MLA and DSA kernels compile for sm_90 at the dispatcher's DeepSeek-V3 / V3.2 configs: no
     spills, registers within budget, tensor-core MMAs for bf16 MLA (tests/kernels/mla_hopper_compile.py,
-    in a subprocess: this process imported triton for the interpreter)."""
-    from tests.kernels.hopper_harness import assert_fits_hopper, script_records
-
-    records = script_records(tmp_path_factory, "mla_hopper_compile.py")
+    in a subprocess: this process imported triton for the interpreter). The fast tier compiles the
+    script's --quick subset (every kernel); the slow twin (``[full]``) every workload."""
+    records = hopper_batch(hopper_runs)
     kernels = {r["kernel"] for r in records}
     assert {"_mla_split_kernel", "decode_reduce_kernel", "_dsa_index_kernel", "_dsa_topk_kernel",
             "_dsa_sparse_split_kernel"} <= kernels

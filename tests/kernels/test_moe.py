@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.hopper_harness import assert_fits_hopper, script_records
+from tests.kernels.hopper_harness import assert_fits_hopper
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import moe
 from tokenfab.layers.moe import FusedMoE, GatedMLP
@@ -282,9 +282,18 @@ def test_load_expert_weight_tracks_completeness():
 # ----------------------------------------------------------------------------- Hopper compile
 
 
+@pytest.fixture(scope="module", params=[
+    pytest.param([("moe_hopper_compile.py", ("--quick",))], id="quick"),
+    pytest.param([("moe_hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
+def hopper_runs(request) -> list:
+    """The fast tier compiles the script's --quick subset (routing, decode, the 8192-token tiles); the
+    slow twin every workload (every tile bucket, Mixtral, fp32), with the same checks."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hopper_records(tmp_path_factory) -> list[dict]:
-    return script_records(tmp_path_factory, "moe_hopper_compile.py", ["--quick"])
+def hopper_records(hopper_batch, hopper_runs) -> list[dict]:
+    return hopper_batch(hopper_runs)
 
 
 def test_moe_kernels_compile_for_hopper(hopper_records):

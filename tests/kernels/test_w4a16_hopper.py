@@ -1,24 +1,28 @@
 """The W4A16 kernels compile for Hopper (sm_90) at the dispatcher's configs, without a GPU
 (kernel rule 5): no spills, shared memory fits, and the prefill-sized tiles (>= 64 rows, 16-bit
 activations) use Hopper's warp-group MMA (HGMMA). Decode tiles (16 rows) use mma.sync (HMMA).
+The fast tier compiles the script's --quick subset (every codec at decode and at the largest tile, the
+MoE at both ends); the slow twin (``[full]``) every workload, with the same checks.
 The table in tokenfab/kernels/README.md comes from ``tests/kernels/w4a16_hopper_compile.py --markdown``."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.kernels.hopper_harness import script_records
-
 GEMMS = ("_w4a16_kernel", "_moe_w4_gate_up_kernel", "_moe_w4_down_kernel")
 OURS = (*GEMMS, "_w4a16_reduce_kernel")
 
 
+@pytest.fixture(scope="module", params=[
+    pytest.param([("w4a16_hopper_compile.py", ("--quick",))], id="quick"),
+    pytest.param([("w4a16_hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
+def hopper_runs(request) -> list:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> list[dict]:
-    # every MoE workload and the dense kernel's decode (M=1, M=16) and largest prefill buckets
-    recs = script_records(tmp_path_factory, "w4a16_hopper_compile.py", *(("--only", o) for o in
-                                                                         ("M=1", "M=4096", "moe_w4a16")))
-    return [r for r in recs if r["kernel"] in OURS]
+def records(hopper_batch, hopper_runs) -> list[dict]:
+    return [r for r in hopper_batch(hopper_runs) if r["kernel"] in OURS]
 
 
 def test_all_w4a16_kernels_compile(records):

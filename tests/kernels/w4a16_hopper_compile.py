@@ -76,12 +76,18 @@ def kernel_modules() -> list:
     return [w4a16, moe_w4a16, moe_align, moe_gemm]
 
 
-def compile_all(only: str | None = None) -> list[dict]:
-    return compile_workloads(kernel_modules(), _workloads(), only)
+# The fast tier's subset (--quick): every codec at decode (split K) and at the largest prefill tile,
+# the fused MoE at decode (INT4) and at its largest tile (MXFP4, biases, clamped SwiGLU).
+QUICK = tuple(f"w4a16 {c} bf16 llama-8b down M={m}" for c in ("int4", "mxfp4", "nvfp4") for m in (1, 4096)) + (
+    "moe_w4a16 int4 kimi-k2 T=1", "moe_w4a16 mxfp4 gpt-oss-20b T=4096")
+
+
+def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
+    return compile_workloads(kernel_modules(), _workloads(), only, subset=QUICK if quick else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(compile_all, __doc__.splitlines()[0], argv)
+    return run_cli(compile_all, __doc__.splitlines()[0], argv, quick=True)
 
 
 if __name__ == "__main__":
