@@ -24,6 +24,8 @@ from tokenfab.quant.fp8_block import FP8Linear
 
 TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"
 PPL_TOLERANCE = 0.02
+# the 320-token text in 16-token blocks, with room to spare: not the 2 GiB CPU default, zero-filled per engine
+ENGINE = dict(max_num_batched_tokens=512, num_kv_blocks=32)
 
 
 def perplexity(engine: LLMEngine, ids: list[int]) -> float:
@@ -48,7 +50,7 @@ def text_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def float_ppl(text_ids) -> float:
-    return perplexity(LLMEngine(model=None, quantization="none", max_num_batched_tokens=512), text_ids)
+    return perplexity(LLMEngine(model=None, quantization="none", **ENGINE), text_ids)
 
 
 # Block FP8 with its activations rounded per token and 128 channels (the GPU path's W8A8, emulated here)
@@ -62,7 +64,7 @@ _BLOCK_W8A8_OVER = pytest.mark.xfail(reason="fp8-block W8A8 emulation measures +
 
 @pytest.mark.parametrize("quantization", ["fp8", pytest.param("fp8-block", marks=_BLOCK_W8A8_OVER)])
 def test_online_fp8_perplexity_within_2_percent(text_ids, float_ppl, quantization):
-    engine = LLMEngine(model=None, quantization=quantization, max_num_batched_tokens=512)
+    engine = LLMEngine(model=None, quantization=quantization, **ENGINE)
     layers = [m for m in engine.runner.model.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == 30 * 4 and all(m.qweight.dtype == torch.float8_e4m3fn for m in layers)
     assert len(text_ids) >= 300
