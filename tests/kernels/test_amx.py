@@ -62,7 +62,8 @@ def test_library_holds_the_amx_functions():
 
 
 def _emulated_library(tmp_path: Path) -> ctypes.CDLL:
-    """ggml_q8.c + ggml_amx.c built with the tile instructions emulated in C."""
+    """ggml_q8.c + ggml_amx.c (+ threads.c, the kernels' thread count) built with the tile instructions
+    emulated in C."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -71,7 +72,7 @@ def _emulated_library(tmp_path: Path) -> ctypes.CDLL:
     # compiled with -ffast-math like the real build, but linked without it (as kernels/cpu/__init__.py does): a
     # -ffast-math link pulls in crtfastmath.o, which flushes denormals to zero in the whole test process
     objs = []
-    for f in ("ggml_q8.c", "ggml_amx.c"):
+    for f in ("ggml_q8.c", "ggml_amx.c", "threads.c"):
         obj = tmp_path / f.replace(".c", ".o")
         subprocess.run([cc, *flags, "-c", str(CPU / f), "-o", str(obj)], check=True, capture_output=True, text=True)
         objs.append(str(obj))
