@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 
 from tokenfab import LLM, SamplingParams
+from tokenfab.cli import main
 from tokenfab.tokenizer import detokenize_incrementally
 
 
@@ -81,21 +83,50 @@ def test_prompt_longer_than_context_is_a_clear_error(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_cli_generate():
-    res = subprocess.run(
-        [sys.executable, "-m", "tokenfab", "generate", "--prompt", "The capital of France is", "--max-tokens", "5",
-         "--json"], capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stderr
-    assert "Paris" in res.stdout
+GENERATE = ["generate", "--prompt", "The capital of France is", "--max-tokens", "5", "--json"]
+CHAT = ["chat", "--max-tokens", "12"]
+CHAT_INPUT = "What is the capital of France?\n\n"
 
 
-def test_cli_chat_streams_a_reply_and_quits_on_empty_line():
-    res = subprocess.run(
-        [sys.executable, "-m", "tokenfab", "chat", "--max-tokens", "12"],
-        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stderr
-    banner, _, reply = res.stdout.partition("> ")
+def check_generate(rc: int, stdout: str, stderr: str) -> None:
+    assert rc == 0, stderr
+    assert "Paris" in stdout
+
+
+def check_chat(rc: int, stdout: str, stderr: str) -> None:
+    assert rc == 0, stderr
+    banner, _, reply = stdout.partition("> ")
     assert "tokenfab chat with SmolLM2-135M-Instruct" in banner
     assert "Paris" in reply
+
+
+def test_cli_generate_in_process(capsys):
+    """`tokenfab generate` through the CLI's own entry point (argument parsing, the engine it builds,
+    the JSON lines), in this process; the `python -m tokenfab` process is the slow twin below."""
+    rc = main(GENERATE)
+    out = capsys.readouterr()
+    check_generate(rc, out.out, out.err)
+
+
+def test_cli_chat_in_process_streams_a_reply_and_quits_on_empty_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(CHAT_INPUT))
+    rc = main(CHAT)
+    out = capsys.readouterr()
+    check_chat(rc, out.out, out.err)
+
+
+def run_cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenfab", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_generate():
+    res = run_cli(GENERATE)
+    check_generate(res.returncode, res.stdout, res.stderr)
+
+
+@pytest.mark.slow
+def test_cli_chat_streams_a_reply_and_quits_on_empty_line():
+    res = run_cli(CHAT, CHAT_INPUT)
+    check_chat(res.returncode, res.stdout, res.stderr)
