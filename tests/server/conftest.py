@@ -28,11 +28,13 @@ GREEDY_MAX_TOKENS = 8
 
 
 class LiveServer:
-    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a daemon thread."""
+    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a daemon thread. ``lifespan="off"``: the app's
+    lifespan is not run, so an app over an engine another server already runs (a second front end
+    with other options over the session's engine) neither starts nor shuts it down."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, lifespan: str = "auto") -> None:
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, lifespan=lifespan)
         self._sock = config.bind_socket()
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -67,17 +67,24 @@ def _check_stream(resp: Any) -> str | None:
     return None
 
 
-def _cap_generation(body: Any, cap: int) -> Any:
-    """Keep a schema-valid body's generation short (a live model at 2**31 max_tokens would run to its
-    context); huge values are fuzzed in process, over the fake engine."""
+_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def _cap_generation(body: Any, cap: int, path: str) -> Any:
+    """Keep a schema-valid body's generation short (a live model at 2**31 max_tokens, or with no limit,
+    would run to its context: minutes a request on a CPU); huge values are fuzzed in process, over the
+    fake engine."""
     if isinstance(body, dict):
         body = dict(body)
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in _LIMITS:
             if isinstance(body.get(key), int) and body[key] > cap:
                 body[key] = cap
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None and (
                 "prompt" in body or "messages" in body):
             body["max_tokens"] = cap
+        if path == "/v1/responses" and body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = cap
         if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > cap:
             body["min_tokens"] = cap
     return body
@@ -97,8 +104,8 @@ def _fuzz_operation(op: Any, mode: Any, report: FuzzReport, max_examples: int, s
               suppress_health_check=list(HealthCheck), print_blob=False)
     def fuzz(case: Any) -> None:
         if (cap is not None and mode == GenerationMode.POSITIVE and case.body is not None
-                and op.path in ("/v1/completions", "/v1/chat/completions")):
-            case.body = _cap_generation(case.body, cap)
+                and op.path in _GENERATING):
+            case.body = _cap_generation(case.body, cap, op.path)
         resp = case.call(**call_kwargs)
         report.requests += 1
         report.statuses[resp.status_code] += 1

@@ -22,9 +22,21 @@ API_KEY = "test-key-123"
 
 
 class ServeProcess(WatchedProcess):
-    def __init__(self, *args: str) -> None:
+    """``tokenfab serve --port 0 ARGS``, ready (its banner out) when constructed; ``wait=False``: started only,
+    ``ready()`` waits for it (servers started together load their models at the same time)."""
+
+    def __init__(self, *args: str, wait: bool = True) -> None:
         env = {**os.environ, "TOKENFAB_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
         super().__init__([sys.executable, "-m", "tokenfab", "serve", "--port", "0", *args], env)
+        self.url = ""
+        self.connectable_at_banner = False
+        if wait:
+            self.ready()
+
+    def ready(self) -> ServeProcess:
+        """Wait for the banner; the URL is then known."""
+        if self.url:
+            return self
         self.url = self.wait_for(r"serving .* at (http://\S+)/v1", 180).group(1)
         self.wait_for(r"curl ", 10)
         # the port must take connections as soon as the banner is out (they may wait, not be refused)
@@ -34,6 +46,7 @@ class ServeProcess(WatchedProcess):
             self.connectable_at_banner = True
         except OSError:
             self.connectable_at_banner = False
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -43,9 +56,10 @@ class ServeProcess(WatchedProcess):
 
 @pytest.fixture(scope="module")
 def cli_server():
+    # 128 KV blocks (2,048 tokens; a request here needs at most 20): allocated at once, not the default's gigabytes
     server = ServeProcess("--max-num-seqs", "1", "--max-waiting", "1", "--max-model-len", "512",
-                          "--no-access-log", "--drain-timeout", "60", "--max-request-bytes", "65536",
-                          "--max-prompts-per-request", "2")
+                          "--num-kv-blocks", "128", "--no-access-log", "--drain-timeout", "60",
+                          "--max-request-bytes", "65536", "--max-prompts-per-request", "2")
     yield server
     server.stop()
 

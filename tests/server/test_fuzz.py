@@ -5,6 +5,7 @@
    sent to the app; every answer is < 500, every 4xx carries OpenAI's error body, every 200 is
    valid against its documented response model, every stream ends with [DONE] and no error event.
 2. schemathesis over the app's own OpenAPI document (conformance checks, see fuzzing.py).
+Both run a few examples in the fast tier and more in their slow-tier twins (``-long``).
 The long live-server run on the bundled model is in test_fuzz_live.py (slow) and
 scripts/fuzz_server.py.
 """
@@ -27,7 +28,10 @@ from tokenfab.server.app import ServerConfig, build_app
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenfab.server.responses import ChatCompletionResponse, CompletionResponse, DetokenizeResponse, TokenizeResponse
 
-EXAMPLES = 120
+EXAMPLES = 30  # per endpoint; the slow tier's twins run LONG_EXAMPLES
+LONG_EXAMPLES = 120
+SCHEMATHESIS_EXAMPLES = 8  # per operation and mode; the slow tier's twin runs SCHEMATHESIS_LONG_EXAMPLES
+SCHEMATHESIS_LONG_EXAMPLES = 25
 STATUSES: collections.Counter = collections.Counter()
 
 weird_text = st.one_of(st.text(max_size=12), st.sampled_from(["\ud800", "a\udfffb", "\x00", "😀" * 3, "", " "]))
@@ -100,12 +104,14 @@ def fuzz_client():
     print(f"\nhypothesis fuzz statuses: {dict(sorted(STATUSES.items()))}")
 
 
+@pytest.mark.parametrize("examples", [pytest.param(EXAMPLES, id="short"),
+                                      pytest.param(LONG_EXAMPLES, id="long", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("url,model,required,response_model", ENDPOINTS, ids=[e[0] for e in ENDPOINTS])
-def test_hypothesis_request_models_never_5xx(fuzz_client, url, model, required, response_model):
+def test_hypothesis_request_models_never_5xx(fuzz_client, url, model, required, response_model, examples):
     client, _ = fuzz_client
 
     @given(body=body_strategy(model, required))
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     def fuzz(body: Any) -> None:
         resp = client.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -121,7 +127,7 @@ def test_hypothesis_request_models_never_5xx(fuzz_client, url, model, required, 
     assert client.get("/health").status_code == 200
 
 
-def test_schemathesis_conformance_in_process():
+def _conformance_in_process(max_examples: int) -> None:
     import schemathesis
 
     engine = AsyncEngine(FakeEngine(step_time=0.0, max_model_len=64))
@@ -129,11 +135,20 @@ def test_schemathesis_conformance_in_process():
     engine.start()
     try:
         schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-        report = run_schemathesis(schema, max_examples=25)
+        report = run_schemathesis(schema, max_examples=max_examples)
     finally:
         engine.shutdown(0)
     print(f"\nschemathesis in process: {json.dumps(report.as_dict()['statuses'])} in {report.requests} requests")
-    assert report.requests > 200
+    assert report.requests > 8 * max_examples
     assert report.server_errors == 0, report.failures
     assert not report.failures, "\n".join(report.failures)
     assert {200, 400} <= set(report.statuses)
+
+
+def test_schemathesis_conformance_in_process():
+    _conformance_in_process(SCHEMATHESIS_EXAMPLES)
+
+
+@pytest.mark.slow
+def test_schemathesis_conformance_in_process_long():
+    _conformance_in_process(SCHEMATHESIS_LONG_EXAMPLES)

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -39,10 +40,28 @@ def _spec(k: int) -> dict:
     return body
 
 
+# a KV cache of 256 blocks x 16 tokens (the 25 sequences here need ~50): allocated in a blink, where the default
+# budget's gigabytes take seconds at each start; the same blocks in process and in the servers
+KV_BLOCKS = 256
+
+
 @pytest.fixture(scope="module")
-def expected() -> list[list[tuple[str, str]]]:
-    """(text, finish_reason) per choice of each request, from the offline engine in this process."""
-    llm = LLM(max_model_len=512)
+def servers() -> Iterator[tuple[ServeProcess, ServeProcess]]:
+    """The two servers of this file, started together (they load at the same time, and while the reference
+    outputs are computed): two API-server processes over one engine core, and a lone one for the SIGKILL test."""
+    flags = ("--max-model-len", "512", "--num-kv-blocks", str(KV_BLOCKS), "--no-access-log")
+    two = ServeProcess("--api-server-count", "2", *flags, "--drain-timeout", "60", wait=False)
+    lone = ServeProcess(*flags, wait=False)
+    yield two, lone
+    two.stop()
+    lone.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(servers) -> list[list[tuple[str, str]]]:
+    """(text, finish_reason) per choice of each request, from the offline engine in this process (computed while
+    the servers start)."""
+    llm = LLM(max_model_len=512, num_kv_blocks=KV_BLOCKS)
     specs = [_spec(k) for k in range(24)]
     params = [SamplingParams(temperature=s["temperature"], top_p=s.get("top_p", 1.0), seed=s.get("seed"),
                              n=s.get("n", 1), max_tokens=MAX_TOKENS) for s in specs]
@@ -52,11 +71,8 @@ def expected() -> list[list[tuple[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def two_front_ends():
-    server = ServeProcess("--api-server-count", "2", "--max-model-len", "512", "--no-access-log",
-                          "--drain-timeout", "60")
-    yield server
-    server.stop()
+def two_front_ends(servers) -> ServeProcess:
+    return servers[0].ready()
 
 
 def _run(url: str, body: dict) -> list[tuple[str, str]]:
@@ -76,7 +92,7 @@ def _run(url: str, body: dict) -> list[tuple[str, str]]:
         return [(text, finish)]
 
 
-def test_same_tokens_as_the_in_process_engine_24_clients(two_front_ends, expected):
+def test_same_tokens_as_the_in_process_engine_24_clients(expected, two_front_ends):
     url = two_front_ends.url
     with ThreadPoolExecutor(24) as pool:
         got = list(pool.map(lambda k: _run(url, _spec(k)), range(24)))
@@ -106,8 +122,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(two_front_ends):
     assert not os.path.exists(f"/proc/{core}")
 
 
-def test_killed_engine_core_gives_503_within_seconds():
-    server = ServeProcess("--max-model-len", "512", "--no-access-log")
+def test_killed_engine_core_gives_503_within_seconds(servers):
+    server = servers[1].ready()
     try:
         core = int(re.search(r"engine core pid (\d+)", server.output).group(1))
         url = server.url

@@ -7,16 +7,23 @@ string literal, quotes included). The request's chat template (the server trusts
 the generation prompt with ``<think>``, as DeepSeek-R1's does. The text carries a tool call inside the
 reasoning (must stay reasoning) and one after ``</think>`` (must become a tool call); GLM-4.7's call format needs
 no quotes, so the JSON literal leaves it intact. Streamed, the reasoning must come as several deltas.
+
+The server is a second front end over the session's engine (conftest's ``served``: the model loads once), and the
+four long generations are sent together, so they cost one generation's time.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import openai
 import pytest
 
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, Served
+from tokenfab.server.app import ServerConfig, build_app
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -30,17 +37,16 @@ ASK = [{"role": "user", "content": "Add 1 and 2."}]
 
 
 @pytest.fixture(scope="module")
-def reasoning_client():
-    from tokenfab import LLM
-    from tokenfab.engine.core.async_engine import AsyncEngine
-    from tokenfab.server.app import ServerConfig, build_app
-
-    llm = LLM(max_model_len=1024)
+def reasoning_client(served: Served) -> Iterator[openai.OpenAI]:
+    """A second front end with the parsers forced, over the session's engine (the bundled model, loaded once):
+    its lifespan is off, so it neither starts nor stops that engine."""
     config = ServerConfig(drain_timeout=5, reasoning_parser="deepseek_r1", tool_call_parser="glm45",
                           trust_request_chat_template=True)
-    server = LiveServer(build_app(AsyncEngine(llm.engine), config))
+    app = build_app(served.engine, config)
+    server = LiveServer(app, lifespan="off")
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     server.stop()
+    app.state.server.close()
 
 
 def _request(template: str = TEMPLATE, tools: list | None = TOOLS, **kw) -> dict:
@@ -49,20 +55,30 @@ def _request(template: str = TEMPLATE, tools: list | None = TOOLS, **kw) -> dict
                 extra_body={"chat_template": template}, **({"tools": tools} if tools else {}), **kw)
 
 
-def test_forced_output_is_the_known_text(reasoning_client):
-    r = reasoning_client.chat.completions.create(**_request(tools=None))  # no tools: content untouched
-    m = r.choices[0].message
+@pytest.fixture(scope="module")
+def answers(reasoning_client: openai.OpenAI) -> dict[str, Any]:
+    """This file's four forced generations (~170 tokens each), sent at once: the engine steps them as one batch.
+    no_tools: content untouched; with_tools: the calls parsed; streamed: the same request as with_tools, streamed
+    (its chunks); closed: a template that closes the thinking block."""
+    requests = {"no_tools": _request(tools=None), "with_tools": _request(), "streamed": _request(stream=True),
+                "closed": _request(template=TEMPLATE + "</think>\n", tools=None)}
+
+    def send(kw: dict) -> Any:
+        out = reasoning_client.chat.completions.create(**kw)
+        return list(out) if kw.get("stream") else out
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return dict(zip(requests, pool.map(send, requests.values())))
+
+
+def test_forced_output_is_the_known_text(answers):
+    m = answers["no_tools"].choices[0].message  # no tools: content untouched
     assert m.model_extra["reasoning_content"] == json.dumps(OUTPUT).split("</think>")[0]  # '"Maybe <tool_call>...'
     assert m.content == json.dumps(OUTPUT).split("</think>")[1]
 
 
-@pytest.fixture(scope="module")
-def with_tools(reasoning_client):
-    return reasoning_client.chat.completions.create(**_request())
-
-
-def test_reasoning_and_tool_calls_from_content_only(with_tools):
-    choice = with_tools.choices[0]
+def test_reasoning_and_tool_calls_from_content_only(answers):
+    choice = answers["with_tools"].choices[0]
     m = choice.message
     assert choice.finish_reason == "tool_calls"
     reasoning = m.model_extra["reasoning_content"]
@@ -71,10 +87,10 @@ def test_reasoning_and_tool_calls_from_content_only(with_tools):
     assert m.content == 'Sure.\n"'  # the JSON literal's closing quote is content after the call
 
 
-def test_reasoning_streams_as_deltas_and_matches(reasoning_client, with_tools):
-    full = with_tools.choices[0].message
+def test_reasoning_streams_as_deltas_and_matches(answers):
+    full = answers["with_tools"].choices[0].message
     reasoning_deltas, content, calls, finish = [], "", {}, None
-    for chunk in reasoning_client.chat.completions.create(stream=True, **_request()):
+    for chunk in answers["streamed"]:
         for ch in chunk.choices:
             extra = ch.delta.model_extra or {}
             if extra.get("reasoning_content"):
@@ -92,17 +108,15 @@ def test_reasoning_streams_as_deltas_and_matches(reasoning_client, with_tools):
         (c.function.name, c.function.arguments) for c in full.tool_calls]
 
 
-def test_thinking_switched_off_by_the_template_is_all_content(reasoning_client):
-    closed = TEMPLATE + "</think>\n"  # a template that closes the block (thinking off): the parser sees it
-    r = reasoning_client.chat.completions.create(**_request(template=closed, tools=None))
-    m = r.choices[0].message
+def test_thinking_switched_off_by_the_template_is_all_content(answers):
+    m = answers["closed"].choices[0].message  # the template closes the block (thinking off): the parser sees it
     assert m.model_extra.get("reasoning_content") is None and m.content == json.dumps(OUTPUT)
 
 
-def test_second_turn_takes_the_assistant_message_back_as_returned(reasoning_client, with_tools):
+def test_second_turn_takes_the_assistant_message_back_as_returned(reasoning_client, answers):
     """The client sends the first answer back as it got it (reasoning_content, reasoning, tool_calls) with the
     tool's result: accepted, and the reasoning reaches the template (rendered here as [r:...])."""
-    m = with_tools.choices[0].message
+    m = answers["with_tools"].choices[0].message
     messages = [*ASK, m.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "3"}]
     assert {"reasoning", "reasoning_content", "tool_calls"} <= set(messages[1])
