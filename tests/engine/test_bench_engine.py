@@ -33,6 +33,21 @@ def test_bench_engine_sweeps_the_peer(tmp_path):
     assert ratios["throughput"] == pytest.approx(res[0]["output_tok_s"] / best["output_tok_s"])
 
 
+def test_bench_engine_runs_our_engine_in_a_fresh_process(tmp_path):
+    """The fresh-process path with one engine (one spawned process, not two); the slow twin below runs both."""
+    out = tmp_path / "e.json"
+    rc = main(["bench", "engine", "--shape", "tiny", "--device", "cpu", "--num-requests", "2", "--input-len", "4",
+               "--output-len", "2", "--decode-tokens", "2", "--skip-hf", "--warmup-requests", "1",
+               "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["isolation"] == "each engine in a fresh process"
+    assert [r["engine"] for r in report["results"]] == ["tokenfab eager"]
+    assert report["results"][0]["output_tokens"] == 4
+    assert report["results"][0]["pid"] != os.getpid()
+
+
+@pytest.mark.slow
 def test_bench_engine_runs_each_engine_in_a_fresh_process(tmp_path):
     out = tmp_path / "e.json"
     rc = main(["bench", "engine", "--shape", "tiny", "--device", "cpu", "--num-requests", "2", "--input-len", "4",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.test_bundled_vs_transformers import CHATS, TEXT_PROMPTS
 from tokenfab import LLM, SamplingParams
+from tokenfab.bench.prompts import CHATS, TEXT_PROMPTS
 from tokenfab.kernels.cpu.ggml_matmul import ggml_dequantize_rows, ggml_matmul_reference
 from tokenfab.layers import ggml_linear
 from tokenfab.layers.embedding import LMHead, VocabEmbedding
@@ -113,11 +113,12 @@ def test_quantization_none_still_dequantizes(llm_packed, prompts):
     assert plain == [o.outputs[0].token_ids for o in llm_packed.generate(prompts[:3], params)]
 
 
-def test_q8_activation_products_equal_the_reference_inside_the_model(prompts, monkeypatch):
-    """Every product of a ``gguf-q8act`` generation (real weights, real activations, prefill and
-    decode shapes) equals the reference (dequantize, int8 activation blocks emulated, matmul) to
-    float32 summation order."""
-    fast = LLM(quantization="gguf-q8act", max_num_batched_tokens=512)
+@pytest.fixture(scope="module")
+def q8_llm():
+    return LLM(quantization="gguf-q8act", max_num_batched_tokens=512)
+
+
+def check_q8_products(llm: LLM, prompts: list[list[int]], max_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     native = ggml_linear.ggml_matmul
     seen = []
 
@@ -127,23 +128,46 @@ def test_q8_activation_products_equal_the_reference_inside_the_model(prompts, mo
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         return got
 
-    monkeypatch.setattr(ggml_linear, "ggml_matmul", both)
-    fast.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    with monkeypatch.context() as mp:
+        mp.setattr(ggml_linear, "ggml_matmul", both)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert {a for a, _ in seen} == {"q8"} and any(s[0] > 4 for _, s in seen) and any(s[0] <= 4 for _, s in seen)
 
 
-def test_q8_activation_mode_equals_its_reference(prompts, monkeypatch):
+def test_q8_activation_products_equal_the_reference_inside_the_model(q8_llm, prompts, monkeypatch):
+    """Every product of a ``gguf-q8act`` generation (real weights, real activations, prefill and
+    decode shapes) equals the reference (dequantize, int8 activation blocks emulated, matmul) to
+    float32 summation order. Fast tier: two prompts, one decode step; the slow twin: four tokens."""
+    check_q8_products(q8_llm, prompts[:2], 2, monkeypatch)
+
+
+@pytest.mark.slow
+def test_q8_activation_products_equal_the_reference_inside_the_model_full(q8_llm, prompts, monkeypatch):
+    check_q8_products(q8_llm, prompts[:2], 4, monkeypatch)
+
+
+def check_q8_mode(llm: LLM, few: list[list[int]], max_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(few, params)]
+    with monkeypatch.context() as mp:
+        mp.setattr(ggml_linear, "ggml_matmul", ggml_matmul_reference)
+        ref = [o.outputs[0].token_ids for o in llm.generate(few, params)]
+    assert all(len(t) == max_tokens for t in got)
+    assert got == ref
+
+
+def test_q8_activation_mode_equals_its_reference(q8_llm, prompts, monkeypatch):
     """``gguf-q8act`` (native int8 products) gives the greedy tokens of the same model whose
     products are the reference: dequantize, quantize the activations to int8 blocks, matmul. (The two
     agree bit for bit: both sum the block terms in float64 in one fixed order; int8 rounding is
-    chaotic, so agreement to float32 summation order was not enough.)"""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    few = prompts[:2] + prompts[-1:]
-    fast = LLM(quantization="gguf-q8act", max_num_batched_tokens=512)
-    got = [o.outputs[0].token_ids for o in fast.generate(few, params)]
-    monkeypatch.setattr(ggml_linear, "ggml_matmul", ggml_matmul_reference)
-    ref = [o.outputs[0].token_ids for o in fast.generate(few, params)]
-    assert got == ref
+    chaotic, so agreement to float32 summation order was not enough.) Fast tier: a short text prompt
+    and the longest chat, 6 tokens; the slow twin: three prompts, 12 tokens."""
+    check_q8_mode(q8_llm, prompts[:1] + prompts[-1:], 6, monkeypatch)
+
+
+@pytest.mark.slow
+def test_q8_activation_mode_equals_its_reference_full(q8_llm, prompts, monkeypatch):
+    check_q8_mode(q8_llm, prompts[:2] + prompts[-1:], 12, monkeypatch)
 
 
 @pytest.mark.parametrize("kwargs, match", [
