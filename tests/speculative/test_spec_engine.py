@@ -84,10 +84,12 @@ def spec():
     return LLM(num_kv_blocks=400, speculative_config=NGRAM)
 
 
-@pytest.fixture(scope="module")
-def reference(plain):
+# tokens per request of the shared reference run: 16 in the fast tier (1 from prefill + 3 verify steps of k + 1),
+# 24 in its slow twin (every test that uses the reference runs again with it)
+@pytest.fixture(scope="module", params=[16, pytest.param(24, marks=pytest.mark.slow)])
+def reference(plain, request):
     prompts = prompts_mixed(plain)
-    params = SamplingParams(temperature=0, max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=request.param)
     return prompts, params, run(plain, prompts, params)
 
 
