@@ -107,3 +107,11 @@ def test_every_module_lies_in_exactly_one_layer():
                 outside.append(module)
     assert not outside, f"modules in no layer of pyproject.toml's layers contract: {outside}"
     assert not twice, f"modules in more than one layer: {twice}"
+
+
+def test_no_source_file_over_400_lines():
+    """One concept a file (issue 25): no Python or C source of the package over 400 lines."""
+    sources = [p for ext in ("*.py", "*.c", "*.h") for p in (ROOT / "tokenfab").rglob(ext)]
+    assert len(sources) > 100
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"over 400 lines: {long}"
