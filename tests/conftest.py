@@ -20,18 +20,6 @@ def pytest_runtest_teardown(item) -> None:
         raise RuntimeError(f"{item.nodeid} left the process flushing denormals to zero (a -ffast-math link?)")
 
 
-def _one_reader_per_path(reader_cls):
-    readers = {}
-
-    def reader(path, mode: str = "r"):
-        key = (str(path), mode)
-        if key not in readers:
-            readers[key] = reader_cls(path, mode)
-        return readers[key]
-
-    return reader
-
-
 @pytest.fixture(scope="session")
 def hf_bundled():
     """transformers' own GGUF loading of the bundled SmolLM2 file (float32, eval), once per test
@@ -57,7 +45,7 @@ def hf_bundled():
         # parses the file's ~200k metadata values twice (config, then weights): both are pure, so
         # memoized for this one load (two thirds of its time); the weights are the same.
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        mp.setattr(gguf, "GGUFReader", _one_reader_per_path(gguf.GGUFReader))
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32)
     return model.eval()

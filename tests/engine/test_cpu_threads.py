@@ -85,10 +85,10 @@ def test_plan_precedence():
         ct.plan_threads(0, environ={})
 
 
-@pytest.mark.parametrize("text", ["", "a,b", "-1", "1;2"])
+@pytest.mark.parametrize("text", [",", "a,b", "-1", "1;2"])
 def test_bad_cpu_list_names_the_variable(text):
     with pytest.raises(ValueError, match=ct.CPUS_ENV):
-        ct.parse_cpus(text) if text else ct.parse_cpus(",")
+        ct.parse_cpus(text)
 
 
 def test_children_get_disjoint_slices_of_the_parents_share():
@@ -141,6 +141,25 @@ def test_a_pinned_process_runs_on_its_slice():
     assert out.returncode == 0, out.stderr[-2000:]
     cpus, torch_threads, native_width, why = json.loads(out.stdout.strip().splitlines()[-1])
     assert cpus == [first] and torch_threads == 1 and native_width == 1 and ct.CPUS_ENV in why
+
+
+@needs_native
+@needs_two
+def test_rank0_pinned_to_its_slice_still_hands_out_the_others():
+    """TP rank 0 pins itself to slice 0 before it spawns its workers: the workers' slices come from the
+    share it had before pinning, so they do not land on rank 0's cores (in a child process)."""
+    code = ("import json; from tokenfab.engine.runner import cpu_threads as ct;"
+            "p = ct.configure_engine_threads(None, (0, 2));"
+            "print(json.dumps([list(p.cpus), ct.child_env(1, 2)[ct.CPUS_ENV]]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(ct.CPUS_ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rank0, worker = json.loads(out.stdout.strip().splitlines()[-1])
+    share = sorted(os.sched_getaffinity(0))
+    assert rank0 == list(ct.split_cpus(share, 2)[0])
+    assert [int(c) for c in worker.split(",")] == list(ct.split_cpus(share, 2)[1])
+    assert not set(rank0) & {int(c) for c in worker.split(",")}
 
 
 def test_engine_args_refuse_a_bad_thread_count():

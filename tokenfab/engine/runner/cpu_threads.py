@@ -83,10 +83,16 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     return cpus
 
 
+_share_before_pin: list[int] | None = None  # this process's cores before apply_threads pinned it to its slice
+
+
 def own_share(environ: Mapping[str, str] = os.environ) -> list[int]:
-    """The cores this process hands out: its launcher's slice, else every usable core."""
+    """The cores this process hands out: its launcher's slice, else every core it could use before it
+    pinned itself to its own slice (TP rank 0 pins to slice 0 and still splits the whole share)."""
     given = environ.get(CPUS_ENV)
-    return list(parse_cpus(given)) if given else usable_cpus()
+    if given:
+        return list(parse_cpus(given))
+    return list(_share_before_pin) if _share_before_pin is not None else usable_cpus()
 
 
 def split_cpus(cpus: list[int], parts: int) -> list[tuple[int, ...]]:
@@ -133,7 +139,10 @@ def plan_threads(requested: int | None = None, part: tuple[int, int] | None = No
 
 def apply_threads(plan: CpuThreads) -> CpuThreads:
     """Pin (when the plan says) and set torch's and the native kernels' thread counts."""
+    global _share_before_pin
     if plan.cpus is not None and hasattr(os, "sched_setaffinity"):
+        if _share_before_pin is None:
+            _share_before_pin = own_share()
         try:
             os.sched_setaffinity(0, plan.cpus)
         except OSError as e:  # a core outside the allowed set: run unpinned rather than fail
