@@ -13,11 +13,43 @@ def _subnormals_work() -> bool:
     return bool(np.float32(1e-39) * np.float32(1.0) != 0)
 
 
+_AFFINITY = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+_THREADS: int | None = None  # torch's thread count when the first test started
+
+
+def _restore_cpu_plan() -> None:
+    """An engine built in this process on CPU applies its thread plan to the process
+    (engine/runner/cpu_threads.py): with TP > 1 it pins it to rank 0's slice and sizes torch and the
+    native kernels to it. Right for an engine process, but the rest of the suite would then run on
+    that slice: give the test process its cores and thread counts back."""
+    import sys
+
+    import torch
+
+    if _AFFINITY is not None and os.sched_getaffinity(0) != _AFFINITY:
+        os.sched_setaffinity(0, _AFFINITY)
+    if _THREADS is not None and torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
+    cpu = sys.modules.get("tokenfab.kernels.cpu")
+    lib = getattr(cpu, "_library", None)
+    if lib is not None:
+        lib.tf_set_num_threads(0)
+
+
+def pytest_runtest_setup(item) -> None:
+    global _THREADS
+    if _THREADS is None:
+        import torch
+
+        _THREADS = torch.get_num_threads()
+
+
 def pytest_runtest_teardown(item) -> None:
     """A shared library linked with -ffast-math (crtfastmath.o) flushes denormals to zero in the whole
     process, which silently changes every later test's numerics: name the test that did it."""
     if not _subnormals_work():
         raise RuntimeError(f"{item.nodeid} left the process flushing denormals to zero (a -ffast-math link?)")
+    _restore_cpu_plan()
 
 
 @pytest.fixture(scope="session")
