@@ -31,6 +31,7 @@ from tokenfab.layers.embedding import LMHead, VocabEmbedding
 from tokenfab.layers.linear import Linear, MergedLinear, qkv_linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenfab.models.llama_native import native_hidden
 
 
 def head_dim_of(config: Any) -> int:
@@ -205,3 +206,9 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(
             config, lambda i: DecoderLayer(config, LlamaAttention(config, i, max_position), LlamaMLP(config))
         )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, H]; with packed GGML weights on CPU, the whole step in one C call
+        (``llama_native``: the same kernels, the same bits) where the model allows it."""
+        hidden = native_hidden(self, batch)
+        return hidden if hidden is not None else self.model(batch)
