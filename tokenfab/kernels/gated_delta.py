@@ -1,0 +1,260 @@
+"""The gated delta rule (Gated DeltaNet) in Triton: chunked prefill over a flat varlen batch and the one-step
+recurrent decode, both on a pool of per-sequence state slots. The math, the layouts and the references:
+``gated_delta_ref.py``.
+
+Prefill (``gated_delta_prefill``): one program per (sequence, value head, block of BV value columns) walks its
+sequence in chunks of 64 tokens, holding the state block [Dk, BV] in registers (float32): per chunk the
+intra-chunk system is solved by forward substitution (64 row steps on a [64, 64] tile), the rest are tile products
+(``tl.dot``: exact float32 for float32 inputs, tf32 for 16-bit ones). Programs of the value blocks of one head
+each redo the chunk's [64, 64] solve (Dv / BV times); nothing goes through global memory between phases.
+Decode (``gated_delta_decode``): one program per (row, value head, value block) updates its state block once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device, dot_precision, next_pow2
+import triton
+import triton.language as tl
+# isort: on
+
+from tokenfab.kernels._dispatch import checked, kernel_op
+from tokenfab.kernels.gated_delta_ref import CHUNK, L2NORM_EPS, gated_delta_decode_ref, gated_delta_prefill_ref
+
+
+@triton.jit
+def _load_qk(ptr, tok, row_ok, head, dk, st, sh, scale, L2NORM: tl.constexpr, BK: tl.constexpr):
+    """Rows ``tok`` of head ``head`` as float32 [BT, BK] (masked rows and columns 0), L2-normalised, times scale."""
+    cols = tl.arange(0, BK)
+    m = row_ok[:, None] & (cols < dk)[None, :]
+    x = tl.load(ptr + tok[:, None] * st + head * sh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if L2NORM:
+        x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
+    return x * scale
+
+
+@triton.jit
+def _gdn_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, cu_ptr, slot_ptr, init_ptr,
+    scale, group, dk, dv,
+    sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh, sot, soh, ss0, ss1, ss2,
+    HAS_INIT: tl.constexpr, L2NORM: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Program (value block, value head, sequence): the sequence's chunks in order (gated_delta_ref's chunk form).
+    Rows past the sequence's end load k = v = q = 0, g = beta = 0: they change neither the state nor the outputs."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + n + 1) - bos).to(tl.int32)
+    hk = h // group
+    rk = tl.arange(0, BK)
+    cv = pid_v * BV + tl.arange(0, BV)
+    vmask = cv < dv
+    rt = tl.arange(0, BT)
+    strict = rt[:, None] > rt[None, :]
+    s_blk = s_ptr + slot * ss0 + h * ss1 + rk[:, None] * ss2 + cv[None, :]
+    smask = (rk < dk)[:, None] & vmask[None, :]
+    state = tl.zeros((BK, BV), dtype=tl.float32)
+    start = True
+    if HAS_INIT:
+        start = tl.load(init_ptr + n) != 0
+    if start:
+        state = tl.load(s_blk, mask=smask, other=0.0)
+    for c in range(0, tl.cdiv(seq_len, BT)):
+        rows = c * BT + rt
+        row_ok = rows < seq_len
+        tok = bos + rows
+        k = _load_qk(k_ptr, tok, row_ok, hk, dk, skt, skh, 1.0, L2NORM, BK)
+        gl = tl.load(g_ptr + tok * sgt + h * sgh, mask=row_ok, other=0.0).to(tl.float32)
+        beta = tl.load(b_ptr + tok * sbt + h * sbh, mask=row_ok, other=0.0).to(tl.float32)
+        gc = tl.cumsum(gl, axis=0)
+        g_last = tl.sum(tl.where(rt == BT - 1, gc, 0.0), axis=0)
+        diff = gc[:, None] - gc[None, :]
+        kb = k * beta[:, None]
+        # A = strictly_lower((beta k) k^T * D); T = (I + A)^-1 row by row: row i of T - I is
+        # -A[i] + sum_j (-A[i, j]) (T - I)[j] (rows j < i already replaced)
+        a = tl.dot(kb, tl.trans(k), input_precision=DOT_PREC)
+        t = -tl.where(strict, a * tl.exp(tl.where(strict, diff, 0.0)), 0.0)
+        for i in range(1, BT):
+            sel = (rt == i)[:, None]
+            row = tl.sum(tl.where(sel, t, 0.0), axis=0)
+            row = row + tl.sum(row[:, None] * t, axis=0)
+            t = tl.where(sel, row[None, :], t)
+        t = t + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
+        v = tl.load(v_ptr + tok[:, None] * svt + h * svh + cv[None, :], mask=row_ok[:, None] & vmask[None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.dot(t, v * beta[:, None], input_precision=DOT_PREC)
+        w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision=DOT_PREC)
+        v_new = u - tl.dot(w, state, input_precision=DOT_PREC)
+        q = _load_qk(q_ptr, tok, row_ok, hk, dk, sqt, sqh, scale, L2NORM, BK)
+        lower = rt[:, None] >= rt[None, :]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        qk = tl.where(lower, qk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
+        o = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=DOT_PREC)
+        o = o + tl.dot(qk, v_new, input_precision=DOT_PREC)
+        tl.store(o_ptr + tok[:, None] * sot + h * soh + cv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & vmask[None, :])
+        k_dec = k * tl.exp(g_last - gc)[:, None]
+        state = state * tl.exp(g_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PREC)
+    tl.store(s_blk, state, mask=smask)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, slot_ptr,
+    scale, group, dk, dv,
+    sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh, sot, soh, ss0, ss1, ss2,
+    L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Program (value block, value head, row): one token's decay, delta-rule write and read on its state block."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    cv = pid_v * BV + tl.arange(0, BV)
+    vmask = cv < dv
+    if slot < 0:  # a padding row: output zero, no state touched
+        tl.store(o_ptr + b * sot + h * soh + cv, tl.zeros((BV,), dtype=tl.float32).to(o_ptr.dtype.element_ty),
+                 mask=vmask)
+        return
+    hk = h // group
+    rk = tl.arange(0, BK)
+    kmask = rk < dk
+    q = tl.load(q_ptr + b * sqt + hk * sqh + rk, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * skt + hk * skh + rk, mask=kmask, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+    q = q * scale
+    v = tl.load(v_ptr + b * svt + h * svh + cv, mask=vmask, other=0.0).to(tl.float32)
+    gl = tl.load(g_ptr + b * sgt + h * sgh).to(tl.float32)
+    beta = tl.load(b_ptr + b * sbt + h * sbh).to(tl.float32)
+    s_blk = s_ptr + slot * ss0 + h * ss1 + rk[:, None] * ss2 + cv[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    state = tl.load(s_blk, mask=smask, other=0.0) * tl.exp(gl)
+    pred = tl.sum(state * k[:, None], axis=0)
+    state = state + k[:, None] * ((v - pred) * beta)[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(o_ptr + b * sot + h * soh + cv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+    tl.store(s_blk, state, mask=smask)
+
+
+def prefill_config(dk: int, dv: int) -> dict:
+    """Launch configuration of the prefill kernel (also used by the compile test)."""
+    bk = next_pow2(max(dk, 16))
+    return dict(BT=CHUNK, BK=bk, BV=min(32, next_pow2(max(dv, 16))), num_warps=8 if bk >= 128 else 4, num_stages=1)
+
+
+def decode_config(dk: int, dv: int) -> dict:
+    """Launch configuration of the decode kernel (also used by the compile test)."""
+    bk = next_pow2(dk)
+    return dict(BK=bk, BV=min(next_pow2(dv), max(16, 4096 // bk)), num_warps=4)
+
+
+def _check(q, k, v, g, beta, state, slot_ids, rows: int, op: str) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hv % hk:
+        raise ValueError(f"{op}: value heads ({hv}) must be a multiple of key heads ({hk})")
+    if g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"{op}: g and beta must be [T, Hv] = {(t, hv)}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv) or state.dtype != torch.float32:
+        raise ValueError(f"{op}: state must be float32 [num_slots, {hv}, {dk}, {dv}], got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    if slot_ids.shape != (rows,):
+        raise ValueError(f"{op}: slot_ids must have one entry per sequence ({rows}), got {tuple(slot_ids.shape)}")
+
+
+def _check_prefill(q, k, v, g, beta, cu_seqlens, state, slot_ids, has_state, scale, use_qk_l2norm) -> None:
+    _check(q, k, v, g, beta, state, slot_ids, cu_seqlens.numel() - 1, "gated_delta_prefill")
+    if has_state is not None and has_state.shape != slot_ids.shape:
+        raise ValueError(f"gated_delta_prefill: has_state must be [N], got {tuple(has_state.shape)}")
+
+
+def _check_decode(q, k, v, g, beta, state, slot_ids, scale, use_qk_l2norm) -> None:
+    _check(q, k, v, g, beta, state, slot_ids, q.shape[0], "gated_delta_decode")
+
+
+def _lastdim(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _gated_delta_prefill_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    cu_seqlens: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor, has_state: torch.Tensor | None,
+    scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    check_device(v)
+    _check_prefill(q, k, v, g, beta, cu_seqlens, state, slot_ids, has_state, scale, use_qk_l2norm)
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    n = slot_ids.numel()
+    if t == 0 or n == 0:
+        return out
+    q, k, v, st = _lastdim(q), _lastdim(k), _lastdim(v), state
+    if st.stride(-1) != 1:
+        raise ValueError("gated_delta_prefill: the state's last dim must be contiguous")
+    cfg = prefill_config(dk, dv)
+    grid = (triton.cdiv(dv, cfg["BV"]), hv, n)
+    init = has_state if has_state is not None else slot_ids
+    _gdn_prefill_kernel[grid](
+        q, k, v, g, beta, out, st, cu_seqlens, slot_ids, init,
+        scale, hv // hk, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        st.stride(0), st.stride(1), st.stride(2),
+        HAS_INIT=has_state is not None, L2NORM=use_qk_l2norm, DOT_PREC=dot_precision(v.dtype), **cfg,
+    )
+    return out
+
+
+def _gated_delta_decode_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, slot_ids: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    check_device(v)
+    _check_decode(q, k, v, g, beta, state, slot_ids, scale, use_qk_l2norm)
+    b, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if b == 0:
+        return out
+    q, k, v = _lastdim(q), _lastdim(k), _lastdim(v)
+    if state.stride(-1) != 1:
+        raise ValueError("gated_delta_decode: the state's last dim must be contiguous")
+    cfg = decode_config(dk, dv)
+    grid = (triton.cdiv(dv, cfg["BV"]), hv, b)
+    _gdn_decode_kernel[grid](
+        q, k, v, g, beta, out, state, slot_ids,
+        scale, hv // hk, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        L2NORM=use_qk_l2norm, **cfg,
+    )
+    return out
+
+
+assert L2NORM_EPS == 1e-6  # the kernels write the model's epsilon as a literal
+
+gated_delta_prefill = kernel_op(
+    "gated_delta_prefill", _gated_delta_prefill_triton, checked(gated_delta_prefill_ref, _check_prefill),
+    lambda q, k, v, *_: torch.empty_like(v), signature=gated_delta_prefill_ref, mutates_args=("state",),
+)
+
+gated_delta_decode = kernel_op(
+    "gated_delta_decode", _gated_delta_decode_triton, checked(gated_delta_decode_ref, _check_decode),
+    lambda q, k, v, *_: torch.empty_like(v), signature=gated_delta_decode_ref, mutates_args=("state",),
+)
