@@ -59,6 +59,14 @@ class EngineArgs:
     # CPU threads of the engine's kernels (torch's and the native ones); None: the process's share of the
     # cores, split without overlap between TP ranks and DP replicas (engine/runner/cpu_threads.py)
     cpu_threads: int | None = None
+    # multi-LoRA serving (vLLM's flags; engine/runner/lora_manager.py, docs/lora-serving.md): adapters loaded
+    # at start (name=path strings or {"name", "path", "base_model_name"} dicts/JSON), adapters per step,
+    # their largest rank, adapters kept in host memory (least recently used dropped; None: max_loras)
+    enable_lora: bool = False
+    lora_modules: list | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
@@ -135,6 +143,17 @@ class EngineArgs:
                             "informational: tokenfab bench comm --tbo)")
         parser.add_argument("--tbo-min-tokens", type=int, default=None,
                             help="two-batch overlap only for steps of at least this many tokens (default 1024)")
+
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (PEFT format) next to the base model: a request picks one "
+                            "with 'model'; /v1/load_lora_adapter and /v1/unload_lora_adapter manage them")
+        parser.add_argument("--lora-modules", nargs="+", default=None,
+                            help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ..., '
+                            '"base_model_name": ...}')
+        parser.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (default 1)")
+        parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default 16)")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="adapters kept in host memory, least recently used dropped (default: --max-loras)")
 
         parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                             help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "

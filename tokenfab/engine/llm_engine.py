@@ -17,6 +17,7 @@ from tokenfab.engine.overlap import OverlapScheduler
 from tokenfab.engine.postprocess import Postprocessor
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.errors import raise_if_fatal
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
@@ -33,6 +34,7 @@ from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune
 )
 from tokenfab.engine.runner.isolation import isolated_forward, isolated_sample
 from tokenfab.engine.runner.kv_budget import kv_cache_blocks
+from tokenfab.engine.runner.lora_manager import LoRAManager, lora_manager_for
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
 from tokenfab.executors.eplb_engine import EplbConfig, EplbController
@@ -77,6 +79,7 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
         if self.device.type == "cpu":
             tune_cpu_allocator()
+        self.lora: LoRAManager | None = lora_manager_for(args, self.model, self.device, self.dtype)  # --enable-lora
         copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         two_batch.configure_from_args(args)  # --enable-two-batch-overlap (every TP rank does the same)
@@ -151,16 +154,23 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; ValueError with a clear message (and nothing queued) if it cannot be
         served. ``priority`` counts only under the "priority" scheduling policy (lower runs first);
-        requests with different ``cache_salt`` never share prefix-cache blocks.
-        ``prompt_token_ids``: the text prompt's ids when the caller tokenized it already."""
+        requests with different ``cache_salt`` (or adapters) never share prefix-cache blocks.
+        ``prompt_token_ids``: the text prompt's ids when the caller tokenized it already.
+        ``lora_request``: the LoRA adapter to run with (``--enable-lora``)."""
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self.intake.new_sequence(request_id, prompt, params, priority, arrival_time, cache_salt,
                                        prompt_token_ids)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: this engine was started without --enable-lora")
+            self.lora.admit(lora_request)  # read now: a bad adapter is refused before it is queued
+            seq.lora_request = lora_request
         self._seqs[request_id] = seq
         self.prompt_tokens_total += seq.num_prompt_tokens
         self.scheduler.add(seq)
@@ -199,6 +209,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts ride in the batch the scheduler builds
         batch = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.limit_batch(batch)  # at most --max-loras adapters a step; the others wait
         if batch.empty:
             return self.post.unschedulable()
         return self.run_batch(batch)
@@ -271,6 +283,8 @@ class LLMEngine:
         """The target's forward: (logits of the sampled rows, hidden states of the prompt rows)."""
         if self.spec is not None:  # a draft module follows the target's forward (its cache, its features)
             return self.spec.execute(self.runner, fb, seqs, counts)
+        if self.lora is not None:  # a step with adapters: their deltas, through the Python layers
+            return self.lora.execute(self.runner, fb, seqs, counts, lambda fb, *_: self.runner.execute_scoring(fb))
         return self.runner.execute_scoring(fb)
 
     # ---- stats ----------------------------------------------------------------------

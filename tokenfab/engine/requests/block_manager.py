@@ -25,9 +25,12 @@ from tokenfab.engine.requests.sequence import Sequence
 _DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
 
 
-def root_digest(cache_salt: str | None = None) -> bytes:
-    """The "parent" of a sequence's first block: a constant, or a digest of the salt."""
+def root_digest(cache_salt: str | None = None, lora_int_id: int = 0) -> bytes:
+    """The "parent" of a sequence's first block: a constant, or a digest of the salt and the LoRA
+    adapter's id (fixed width, before the salt: no salt can spell another adapter's root)."""
     h = hashlib.blake2b(b"tokenfab-prefix-cache-root", digest_size=_DIGEST_SIZE)
+    if lora_int_id:
+        h.update(b"\x00lora\x00" + lora_int_id.to_bytes(8, "little"))
     if cache_salt is not None:
         h.update(b"\x00salt\x00")
         h.update(cache_salt.encode("utf-8", "surrogatepass"))
@@ -88,7 +91,8 @@ class BlockManager:
         if hashes:
             parent = hashes[-1]
         else:
-            parent = _ROOT if seq.cache_salt is None else root_digest(seq.cache_salt)
+            lora = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+            parent = _ROOT if seq.cache_salt is None and not lora else root_digest(seq.cache_salt, lora)
         for i in range(len(hashes), upto_tokens // bs):
             parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)

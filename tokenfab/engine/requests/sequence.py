@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import Logprob
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
@@ -17,6 +18,8 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     """One generation stream: its tokens, how many of them have KV in the cache, its blocks."""
+
+    lora_request: LoRARequest | None = None  # multi-LoRA: the adapter it runs with (None: the base model)
 
     def __init__(
         self,

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.lora.adapters import ALL_TARGETS, make_peft_adapter
+from tests.tiny_models import save_tiny_model, tiny_config
+
+
+@pytest.fixture(scope="session")
+def lora_setup(tmp_path_factory):
+    """(base model dir, the transformers base model, adapters by name): a 2-layer random Llama and
+    three PEFT adapters: x (r 8, every projection), y (r 4, q and v only), z (r 16, rsLoRA, MLP only)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_model(tiny_config("llama", num_hidden_layers=2), root / "base")
+    adapters = {
+        "x": make_peft_adapter(base, root / "x", 8, ALL_TARGETS, seed=1),
+        "y": make_peft_adapter(base, root / "y", 4, ["q_proj", "v_proj"], seed=2),
+        "z": make_peft_adapter(base, root / "z", 16, ["gate_proj", "up_proj", "down_proj"], seed=3, use_rslora=True),
+    }
+    return str(root / "base"), base, adapters

@@ -1,0 +1,174 @@
+"""PEFT LoRA adapters read for serving: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+An adapter's tensors ``base_model.model.<module path>.lora_A.weight`` [r, in] and ``.lora_B.weight``
+[out, r] are mapped onto this engine's modules: q/k/v and gate/up land on shards of the merged
+``qkv_proj`` / ``gate_up_proj`` (the model's ``packed_modules``), each shard with its own A and B,
+so the delta of shard i is added to that shard's output rows only. The scale (alpha / r, or
+alpha / sqrt(r) with rsLoRA) is folded into B once at load.
+
+Nothing is dropped silently: a tensor whose module this model lacks, a shape that does not fit, a
+missing half of a pair, an unsupported option (DoRA, rank or alpha patterns, bias, embeddings) or a
+rank above ``max_rank`` is a ``ValueError`` naming it. Only safetensors are read (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclass
+class AdapterConfig:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: Any
+    base_model_name: str | None
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter on the host: per target module (our module path), per shard, (A [r, in], B*scale [out, r])."""
+
+    config: AdapterConfig
+    path: str
+    modules: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for shards in self.modules.values() for a, b in shards.values())
+
+
+def read_adapter_config(adapter_dir: str | Path, max_rank: int | None = None) -> AdapterConfig:
+    """The adapter's settings, checked (ValueError / FileNotFoundError naming the problem)."""
+    d = Path(adapter_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{adapter_dir}: not a directory")
+    path = d / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no {CONFIG_NAME}")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type is {cfg.get('peft_type')!r}, only LORA is supported")
+    for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if cfg.get(key):
+            raise ValueError(f"{path}: '{key}' is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias {cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("fan_in_fan_out"):
+        raise ValueError(f"{path}: fan_in_fan_out is not supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{path}: r must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{path}: lora_alpha must be a number, got {alpha!r}")
+    if max_rank is not None and r > max_rank:
+        raise ValueError(f"{adapter_dir}: LoRA rank {r} is greater than --max-lora-rank {max_rank}")
+    base = cfg.get("base_model_name_or_path")
+    return AdapterConfig(r, float(alpha), bool(cfg.get("use_rslora", False)), cfg.get("target_modules"),
+                         base if isinstance(base, str) else None)
+
+
+def shard_sizes_of(model: nn.Module, module_path: str) -> list[int]:
+    """The output rows of each shard of a (possibly merged) projection of ``model``."""
+    module = model.get_submodule(module_path)
+    sizes = getattr(module, "shard_sizes", None)
+    if sizes is None:  # a swapped-in quantized layer: the merged layout comes from its parent
+        parent = model.get_submodule(module_path.rpartition(".")[0])
+        leaf = module_path.rpartition(".")[2]
+        if leaf == "qkv_proj" and getattr(parent, "splits", None):
+            sizes = parent.splits
+        elif leaf == "gate_up_proj":
+            sizes = [module.out_features // 2] * 2
+        else:
+            sizes = [module.out_features]
+    return [int(s) for s in sizes]
+
+
+def _target_of(model: nn.Module, checkpoint_module: str) -> tuple[str, int]:
+    """(our module path, shard index) of a checkpoint module path."""
+    parent, _, leaf = checkpoint_module.rpartition(".")
+    packed = getattr(model, "packed_modules", {})
+    if leaf in packed:
+        merged, shard = packed[leaf]
+        return f"{parent}.{merged}", shard
+    return checkpoint_module, 0
+
+
+@torch.no_grad()
+def load_lora_weights(adapter_dir: str | Path, model: nn.Module, dtype: torch.dtype,
+                      max_rank: int | None = None, supported: tuple[str, ...] = ()) -> LoRAWeights:
+    """Read and check one adapter against ``model`` (host memory, ``dtype``). ``supported``: the
+    leaf names of our modules LoRA may target (e.g. qkv_proj, o_proj, gate_up_proj, down_proj)."""
+    cfg = read_adapter_config(adapter_dir, max_rank)
+    weights_path = Path(adapter_dir) / WEIGHTS_NAME
+    if not weights_path.is_file():
+        if (Path(adapter_dir) / "adapter_model.bin").is_file():
+            raise ValueError(f"{adapter_dir}: only {WEIGHTS_NAME} is read (adapter_model.bin is a pickle)")
+        raise FileNotFoundError(f"{adapter_dir}: no {WEIGHTS_NAME}")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = key.removeprefix(PREFIX)
+                for half in ("lora_A", "lora_B"):
+                    if name.endswith(f".{half}.weight"):
+                        pairs.setdefault(name[: -len(f".{half}.weight")], {})[half] = f.get_tensor(key)
+                        break
+                else:
+                    raise ValueError(f"{adapter_dir}: tensor {key!r} is not a LoRA A/B weight (not supported)")
+    except (OSError, RuntimeError) as e:  # safetensors' header / format errors
+        raise ValueError(f"{weights_path}: cannot read ({e})") from None
+    if not pairs:
+        raise ValueError(f"{adapter_dir}: the adapter has no LoRA tensors")
+    out = LoRAWeights(cfg, str(adapter_dir))
+    for ckpt_module, halves in sorted(pairs.items()):
+        if set(halves) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{adapter_dir}: {ckpt_module} has {sorted(halves)} only (needs lora_A and lora_B)")
+        target, shard = _target_of(model, ckpt_module)
+        leaf = target.rpartition(".")[2]
+        try:
+            module = model.get_submodule(target)
+        except AttributeError:
+            module = None
+        if module is None or leaf not in supported:
+            raise ValueError(f"{adapter_dir}: module {ckpt_module} is not a LoRA target this model supports "
+                             f"({', '.join(supported)})")
+        sizes = shard_sizes_of(model, target)
+        a, b = halves["lora_A"], halves["lora_B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape != (cfg.rank, module.in_features) or \
+                shard >= len(sizes) or b.shape != (sizes[shard], cfg.rank):
+            raise ValueError(f"{adapter_dir}: {ckpt_module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                             f"not fit rank {cfg.rank} and the module's {module.in_features} inputs / "
+                             f"{sizes[shard] if shard < len(sizes) else '?'} outputs")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{adapter_dir}: {ckpt_module} has non-finite values")
+        a32, b32 = a.to(torch.float32), b.to(torch.float32) * cfg.scaling
+        out.modules.setdefault(target, {})[shard] = (a32.to(dtype).contiguous(), b32.to(dtype).contiguous())
+    return out
