@@ -208,7 +208,7 @@ def _gated_delta_prefill_triton(
         raise ValueError("gated_delta_prefill: the state's last dim must be contiguous")
     cfg = prefill_config(dk, dv)
     grid = (triton.cdiv(dv, cfg["BV"]), hv, n)
-    init = has_state if has_state is not None else slot_ids
+    init = has_state.to(torch.int32) if has_state is not None else slot_ids  # (bool masks trip the interpreter)
     _gdn_prefill_kernel[grid](
         q, k, v, g, beta, out, st, cu_seqlens, slot_ids, init,
         scale, hv // hk, dk, dv,
