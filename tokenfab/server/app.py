@@ -27,6 +27,7 @@ from tokenfab.server.auth import AuthMiddleware
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, error_response, install_exception_handlers
+from tokenfab.server.fleet_routes import add_routes as add_fleet_routes
 from tokenfab.server.limits import BodySizeLimitMiddleware
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenfab.server.responses import (
@@ -79,6 +80,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         return await create_chat_completion(server, body, request)
 
     add_responses_routes(app, server, ResponseStore(config.responses_store_size, config.responses_ttl), auth)
+    add_fleet_routes(app, server)  # what the routers call: /get_load, server and model info, /health_generate
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(*auth))
     async def models() -> dict[str, Any]:

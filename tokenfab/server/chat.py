@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenfab.engine.core.async_engine import RequestStream, StreamChunk
 from tokenfab.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tokenfab.server.protocol import ChatCompletionRequest, random_id
+from tokenfab.server.router_fields import without_reasoning
 from tokenfab.server.serving import OpenAIServer
 from tokenfab.server.shaping import Shaper, shape_chat
 from tokenfab.server.streaming import (
@@ -53,6 +54,8 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
             gen_ids, lps = generated_tokens(chunks)
             logprobs = {"content": chat_logprobs(server.tokenizer, gen_ids, lps, k)}
         message, reason = shaped.shaper().final_chunk(last, finish(last.finish_reason))
+        if not body.include_reasoning:
+            message = without_reasoning(message)
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
                         "stop_reason": last.stop_reason})
     response = {
@@ -110,6 +113,8 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, stream
         if chunk.finished:
             tail, reason = shaper.finish(reason)
             deltas += tail
+        if not body.include_reasoning:  # reasoning-only deltas vanish
+            deltas = [d for d in map(without_reasoning, deltas) if d]
         if not deltas and (logprobs or chunk.finished):
             deltas = [{}]
         for i, delta in enumerate(deltas):  # logprobs and the finish ride on the last delta of the chunk

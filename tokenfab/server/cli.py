@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run the engine in a thread of the API server process (default: its own process)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the port, all served by one engine core (default 1)")
+    g.add_argument("--load-report", default="vllm-router", choices=["vllm-router", "sglang-router"],
+                   help="the shape of GET /get_load, which the routers poll for power_of_two: vllm-router's "
+                   "{\"load\": N} or sglang-router's per-rank list (the two cannot read each other's; default "
+                   "vllm-router)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--no-access-log", dest="access_log", action="store_false", help="no per-request log lines")
 

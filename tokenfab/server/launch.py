@@ -61,7 +61,8 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           tool_call_parser=getattr(args, "tool_call_parser", None),
                           reasoning_parser=getattr(args, "reasoning_parser", None),
                           responses_store_size=getattr(args, "responses_store_size", 1024),
-                          responses_ttl=getattr(args, "responses_ttl", 3600.0))
+                          responses_ttl=getattr(args, "responses_ttl", 3600.0),
+                          load_report=getattr(args, "load_report", "vllm-router"))
     app = build_app(async_engine, config)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI API subset we serve (requests; responses are in ``responses.py``).
 
 Every request model forbids unknown fields: a field we do not implement is a 400 that names it,
-never silently ignored. Types are strict (``"5"`` is not an integer), floats finite, every integer
+never silently ignored. The fields the fleet's routers add to every request are known, each with its own
+decision (``router_fields.py``). Types are strict (``"5"`` is not an integer), floats finite, every integer
 bounded to what the engine can hold, so the OpenAPI document is exactly what the server accepts.
 """
 
@@ -11,6 +12,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from tokenfab.server.router_fields import ChatRouterFields, RouterFields
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
@@ -98,7 +101,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, RouterFields):
     model: Text | None = None
     n: Int = Field(default=1, ge=1, le=128)
     max_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -209,7 +212,7 @@ class ChatTemplateKwargs(_Request):
                                                                       description="GPT-OSS reasoning effort")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatRouterFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False

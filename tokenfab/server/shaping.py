@@ -197,7 +197,7 @@ async def _chat_engine_inputs(server: OpenAIServer, chat: ChatCompletionRequest,
             logger.warning("strict tools not enforced by grammar for this request: %s", e.message)
     reasoning = (get_reasoning_parser(prompt.reasoning_parser, chat_template_kwargs=prompt.template_kwargs,
                                       prompt=prompt.text)
-                 if prompt.reasoning_parser and not harmony else None)
+                 if prompt.reasoning_parser and not harmony and chat.separate_reasoning else None)
     params = server.sampling_params(chat, prompt.max_tokens, k, constraint, chat.prompt_logprobs)
     if harmony:  # <|return|> ends an answer, <|call|> a tool call
         params.stop_token_ids = sorted({*params.stop_token_ids, *harmony_stop_token_ids()})
