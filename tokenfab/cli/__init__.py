@@ -9,6 +9,7 @@ import sys
 
 COMMANDS = {
     "serve": ("tokenfab.server.cli", "OpenAI-compatible HTTP server"),
+    "run-batch": ("tokenfab.server.batch.cli", "run an OpenAI batch input file (JSONL) offline"),
     "generate": ("tokenfab.cli.generate", "generate completions for prompts"),
     "chat": ("tokenfab.cli.chat", "interactive chat in the terminal"),
     "finetune": ("tokenfab.train.cli", "LoRA or full fine-tuning on JSONL chat records"),

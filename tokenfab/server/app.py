@@ -24,6 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.auth import AuthMiddleware
+from tokenfab.server.batch.config import BatchConfig
+from tokenfab.server.batch.routes import UPLOAD_PATH, BatchService
+from tokenfab.server.batch.routes import add_routes as add_batch_routes
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, error_response, install_exception_handlers
@@ -48,15 +51,22 @@ from tokenfab.server.serving import OpenAIServer, ServerConfig
 __all__ = ["APIError", "OpenAIServer", "ServerConfig", "build_app", "error_body", "error_response"]
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread and drains it on shutdown."""
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: BatchConfig | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread and drains it on shutdown. With ``batch``, the
+    Files and Batches APIs (``batch/``) and their worker."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
+    responses_store = ResponseStore(config.responses_store_size, config.responses_ttl)
+    batches = BatchService(server, batch, responses_store) if batch is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if batches is not None:
+            batches.start()
         yield
+        if batches is not None:  # its lines in flight are aborted; they run again after a restart
+            await batches.stop()
         # uvicorn has already waited for in-flight HTTP requests (graceful shutdown); drain what
         # remains in the engine, then stop its thread.
         await asyncio.to_thread(engine.shutdown, config.drain_timeout)
@@ -64,6 +74,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     app = FastAPI(title="tokenfab", version="0.1.0", lifespan=lifespan)
     app.state.server = server
+    app.state.batches = batches
     install_exception_handlers(app, server.metrics.error)
     auth = (401,) if config.api_key else ()
     body_errors = error_responses(400, *auth, 413, 503)
@@ -79,7 +90,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(server, body, request)
 
-    add_responses_routes(app, server, ResponseStore(config.responses_store_size, config.responses_ttl), auth)
+    add_responses_routes(app, server, responses_store, auth)
+    if batches is not None:
+        add_batch_routes(app, batches, auth)
     add_fleet_routes(app, server)  # what the routers call: /get_load, server and model info, /health_generate
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(*auth))
@@ -117,7 +130,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     _document_truthfully(app, server.model_name, priority=engine.scheduling_policy == "priority",
                          chat_template=config.trust_request_chat_template)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes, on_reject=server.metrics.error)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes, on_reject=server.metrics.error,
+                       exempt=(UPLOAD_PATH,) if batches is not None else ())
     if config.api_key:  # outermost: no body is read for a request without the key
         app.add_middleware(AuthMiddleware, api_key=config.api_key, on_reject=server.metrics.error)
     return app

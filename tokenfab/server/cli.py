@@ -10,6 +10,7 @@ import time
 
 from tokenfab.distributed import admission
 from tokenfab.engine.args import EngineArgs
+from tokenfab.server.batch import config as batch_config
 
 # Only argparse, EngineArgs and the (torch-free) admission rules at import time: `tokenfab --help` imports
 # every command's module, and this one must not pull in torch, FastAPI and the server for that. `run` imports
@@ -49,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run the engine in a thread of the API server process (default: its own process)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the port, all served by one engine core (default 1)")
+    batch_config.add_cli_args(parser)
     g.add_argument("--load-report", default="vllm-router", choices=["vllm-router", "sglang-router"],
                    help="the shape of GET /get_load, which the routers poll for power_of_two: vllm-router's "
                    "{\"load\": N} or sglang-router's per-rank list (the two cannot read each other's; default "
@@ -65,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"tokenfab serve: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    try:
+        batch_config.BatchConfig.from_cli_args(args).check()
+    except ValueError as e:
+        print(f"tokenfab serve: {e}", file=sys.stderr)
+        return 2
     if args.responses_store_size < 0 or not args.responses_ttl > 0:
         print("tokenfab serve: --responses-store-size must be >= 0 and --responses-ttl > 0", file=sys.stderr)
         return 2

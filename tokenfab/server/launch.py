@@ -12,6 +12,7 @@ import uvicorn
 
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import build_app
+from tokenfab.server.batch.config import BatchConfig
 from tokenfab.server.serving import ServerConfig
 
 
@@ -24,8 +25,8 @@ def banner(url: str, model: str, kv_tokens: int | None, max_model_len: int, api_
         "",
         f"tokenfab is serving {model} at {url}/v1",
         f"  KV cache: {kv}   max model length: {max_model_len:,} tokens",
-        "  endpoints: /v1/completions /v1/chat/completions /v1/responses /v1/models /health /metrics /tokenize "
-        "/detokenize",
+        "  endpoints: /v1/completions /v1/chat/completions /v1/responses /v1/files /v1/batches /v1/models /health "
+        "/metrics /tokenize /detokenize",
         "  try:",
         f"    curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}",
         "",
@@ -63,7 +64,7 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           responses_store_size=getattr(args, "responses_store_size", 1024),
                           responses_ttl=getattr(args, "responses_ttl", 3600.0),
                           load_report=getattr(args, "load_report", "vllm-router"))
-    app = build_app(async_engine, config)
+    app = build_app(async_engine, config, BatchConfig.from_cli_args(args))
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=max(1, int(args.drain_timeout)), timeout_keep_alive=30,

@@ -22,10 +22,12 @@ DRAIN_LIMIT_BYTES = 64 << 20
 
 
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None] | None = None,
+                 exempt: tuple[str, ...] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self._on_reject = on_reject
+        self.exempt = exempt  # paths that stream their body and check their own limit (file uploads)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, detail: str, received: int,
                       more_body: bool) -> None:
@@ -43,7 +45,7 @@ class BodySizeLimitMiddleware:
         await resp(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
             await self.app(scope, receive, send)
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
