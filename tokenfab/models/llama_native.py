@@ -16,7 +16,6 @@ KV cache or reloaded weights rebuild them).
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -131,22 +130,39 @@ class NativeLlamaStep:
         return None
 
     def current(self) -> bool:
-        """Whether every tensor the tables point to is still the model's (same objects)."""
-        now = list(self._tensors_of(self.model))
-        return len(now) == len(self.tensors) and all(map(operator.is_, self.tensors, now))
+        """Whether every tensor the tables point to is still the model's (same objects): one dict
+        lookup per tensor, where walking the modules' attributes cost ~0.3 ms a step."""
+        return all(slots.get(name) is t for slots, name, t in self.tensors)
 
     @staticmethod
-    def _tensors_of(model: nn.Module):
+    def _tensors_of(model: nn.Module) -> list[tuple[dict, str, Any]]:
+        """(the dict that holds it, its name, the tensor) of every tensor the tables may point to."""
         m = model.model
-        yield getattr(m.embed_tokens, "qweight", None)
-        yield m.norm.weight
+        out: list[tuple[dict, str, Any]] = []
+
+        def watch(module: Any, name: str) -> None:
+            if module is None:
+                out.append(({}, name, None))
+                return
+            for slots in (module._parameters, module._buffers, module.__dict__):
+                if name in slots:
+                    out.append((slots, name, slots[name]))
+                    return
+            out.append((module.__dict__, name, None))
+
+        watch(m.embed_tokens, "qweight")
+        watch(m.norm, "weight")
         for layer in m.layers:
             a, mlp = layer.self_attn, layer.mlp
-            yield from (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, a.attn.k_cache,
-                        a.attn.v_cache, a.rotary_emb.cos_sin_cache)
+            watch(layer.input_layernorm, "weight")
+            watch(layer.post_attention_layernorm, "weight")
+            watch(a.attn, "k_cache")
+            watch(a.attn, "v_cache")
+            watch(a.rotary_emb, "cos_sin_cache")
             for lin in (a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
-                yield getattr(lin, "qweight", None)
-                yield getattr(lin, "bias", None)
+                watch(lin, "qweight")
+                watch(lin, "bias")
+        return out
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return llama_step(self.cfg, self.layers, self.eps, self.scale, batch.input_ids, batch.positions,

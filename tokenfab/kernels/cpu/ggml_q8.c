@@ -55,6 +55,40 @@ AI __m256i dot_us(__m256i u, __m256i s) {
 #endif
 }
 
+/* acc + the 8 int32 lane sums of dot(u, s) (u <= 15 here: the AVX2 pairwise int16 sums cannot saturate) */
+AI __m256i dot_us_acc(__m256i acc, __m256i u, __m256i s) {
+#if GG_VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Q4 blocks in pairs: the nibbles of blocks 2p and 2p + 1 in one vector (lo: elements 0..15 of
+ * both, hi: 16..31), against activations laid out to match (pair_activations): no per-block
+ * shuffle. A lane holds 4 products of one block (lanes 0-3 block 2p, 4-7 block 2p + 1). Q4_0's
+ * dot is then dot(q, x) - 8 * sum(x): exact integers either way. */
+AI __m256i pair_dot_q4(int qt, const uint8_t *b0, int64_t bb, const int8_t *xp) {
+    const int off = qt == GQ4_1 ? 4 : 2;
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + off))),
+                                              _mm_loadu_si128((const __m128i *)(b0 + bb + off)), 1);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m256i acc = dot_us_acc(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)xp));
+    return dot_us_acc(acc, hi, _mm256_loadu_si256((const __m256i *)(xp + 32)));
+}
+
+/* the four pair vectors of a group of 8 blocks -> the 8 block sums, in block order */
+AI __m256i hsum_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    /* per 128-bit half, after two hadds: low half blocks 0, 2, 4, 6; high half 1, 3, 5, 7 */
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+    return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* the 32 weights of a block as bytes (Q4_1: unsigned nibbles; Q4_0: q - 8; Q8_0: q) */
 AI __m256i wbytes(int qt, const uint8_t *b) {
     if (qt == GQ8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
@@ -72,10 +106,24 @@ AI __m256i hsum8x8(const __m256i v[8]) {
 }
 #endif
 
-/* is[m][j] = integer dot product of weight block g + j (j < gl; 0 beyond) with activation row m */
-AI void block_dots(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, int64_t K, int32_t is[MQ][8]) {
+/* is[m][j] = integer dot product of weight block g + j (j < gl; 0 beyond) with activation row m;
+ * pg: the same activations paired (pair_activations), used for whole groups of Q4 blocks; sg: sum(q)
+ * of each block (Q4_0's -8 * sum) */
+AI void block_dots(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, const int8_t *pg, const int32_t *sg,
+                   int64_t nb, int64_t K, int32_t is[MQ][8]) {
     const int64_t bb = BLOCK_BYTES[qt];
 #if GG_AVX512 || GG_AVX2
+    if (gl == 8 && qt != GQ8_0) {
+        for (int m = 0; m < mt; m++) {
+            const int8_t *xp = pg + m * K;
+            __m256i h = hsum_pairs(pair_dot_q4(qt, wg, bb, xp), pair_dot_q4(qt, wg + 2 * bb, bb, xp + 64),
+                                   pair_dot_q4(qt, wg + 4 * bb, bb, xp + 128), pair_dot_q4(qt, wg + 6 * bb, bb, xp + 192));
+            if (qt == GQ4_0)
+                h = _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(sg + m * nb)), 3));
+            _mm256_storeu_si256((__m256i *)is[m], h);
+        }
+        return;
+    }
     __m256i dots[MQ][8];
     for (int j = 0; j < 8; j++) {
         if (j >= gl) {
@@ -120,27 +168,29 @@ AI void block_dots(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, 
 }
 
 #if GG_AVX512 || GG_AVX2
-/* the float16 scales at byte offset off of blocks g .. g + gl - 1 (0 beyond) as 8 floats */
+/* the float16 scales at byte offset off of blocks g .. g + gl - 1 (0 beyond) as 8 floats (a partial
+ * group, or no F16C; whole groups: scales8_gather) */
 AI __m256 scales8(const uint8_t *wg, int64_t bb, int off, int gl) {
-#if defined(__F16C__)
-    if (gl == 8) { /* pinsrw from memory: no store-forwarding stall through a small array */
-        uint16_t h[8];
-        for (int j = 0; j < 8; j++) memcpy(&h[j], wg + j * bb + off, 2);
-        __m128i v = _mm_cvtsi32_si128(h[0]);
-        v = _mm_insert_epi16(v, h[1], 1);
-        v = _mm_insert_epi16(v, h[2], 2);
-        v = _mm_insert_epi16(v, h[3], 3);
-        v = _mm_insert_epi16(v, h[4], 4);
-        v = _mm_insert_epi16(v, h[5], 5);
-        v = _mm_insert_epi16(v, h[6], 6);
-        v = _mm_insert_epi16(v, h[7], 7);
-        return _mm256_cvtph_ps(v);
-    }
-#endif
     float f[8] = {0};
     for (int j = 0; j < gl; j++) f[j] = half_to_float(wg + j * bb + off);
     return _mm256_loadu_ps(f);
 }
+
+#if defined(__F16C__)
+/* the float16 words at byte offsets 0 and 2 of 8 blocks (d, and Q4_1's m) as 8 floats each: one
+ * gather of each block's first 4 bytes, where scales8 inserts 16 words one by one */
+AI void scales8_gather(const uint8_t *wg, int64_t bb, __m256 *d, __m256 *m) {
+    const int b = (int)bb;
+    const __m256i g = _mm256_i32gather_epi32((const int *)wg, _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b,
+                                                                                6 * b, 7 * b), 1);
+    /* per 128-bit half: the low words, then the high words; then the halves' d and m gathered */
+    const __m256i sel = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i u = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(g, sel), 0xD8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(u));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(u, 1));
+}
+#endif
 
 /* 8 float64 lanes: the block terms of one group; lane j += (dw_j * dx_j) * is_j (+ (mw_j * dx_j) * sx_j) */
 #if GG_AVX512
@@ -166,14 +216,24 @@ AI void vd8_store(double *p, vd8 a) {
 }
 #endif
 /* the blocks g .. g + gl - 1 (gl <= 8; wg, qg, dg, sg start at block g) added into the lanes av */
-Q8_EXACT AI void group_q8(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, const float *dg,
-                          const int32_t *sg, int64_t nb, int64_t K, vd8 av[MQ]) {
+Q8_EXACT AI void group_q8(int qt, int mt, const uint8_t *wg, int gl, const int8_t *qg, const int8_t *pg,
+                          const float *dg, const int32_t *sg, int64_t nb, int64_t K, vd8 av[MQ]) {
     const int64_t bb = BLOCK_BYTES[qt];
-    const vd8 dw = vd8_ps(scales8(wg, bb, 0, gl));
-    vd8 mw = vd8_zero();
-    if (qt == GQ4_1) mw = vd8_ps(scales8(wg, bb, 2, gl));
+    vd8 dw, mw = vd8_zero();
+#if defined(__F16C__)
+    if (gl == 8) {
+        __m256 d8, m8;
+        scales8_gather(wg, bb, &d8, &m8);
+        dw = vd8_ps(d8);
+        if (qt == GQ4_1) mw = vd8_ps(m8);
+    } else
+#endif
+    {
+        dw = vd8_ps(scales8(wg, bb, 0, gl));
+        if (qt == GQ4_1) mw = vd8_ps(scales8(wg, bb, 2, gl));
+    }
     int32_t is[MQ][8];
-    block_dots(qt, mt, wg, gl, qg, K, is);
+    block_dots(qt, mt, wg, gl, qg, pg, sg, nb, K, is);
     for (int m = 0; m < mt; m++) {
         __m256 dxf;
         __m256i sxi = _mm256_setzero_si256();
@@ -197,15 +257,15 @@ Q8_EXACT AI void group_q8(int qt, int mt, const uint8_t *wg, int gl, const int8_
 #endif
 
 /* one weight row against mt activation rows (the order of the sums: top of file) */
-Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const float *d, const int32_t *sq,
-                             int64_t K, float *res, int64_t N) {
+Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q, const int8_t *qp, const float *d,
+                             const int32_t *sq, int64_t K, float *res, int64_t N) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[qt];
     double acc[MQ][8];
 #if GG_AVX512 || GG_AVX2
     vd8 av[MQ];
     for (int m = 0; m < mt; m++) av[m] = vd8_zero();
     int64_t g = 0;
-    for (; g + 8 <= nb; g += 8) group_q8(qt, mt, wr + g * bb, 8, q + g * 32, d + g, sq + g, nb, K, av);
+    for (; g + 8 <= nb; g += 8) group_q8(qt, mt, wr + g * bb, 8, q + g * 32, qp + g * 32, d + g, sq + g, nb, K, av);
     for (int m = 0; m < mt; m++) vd8_store(acc[m], av[m]);
     for (int j = 0; g + j < nb; j++) { /* the last nb % 8 blocks, one at a time into lanes 0 .. */
         const uint8_t *blk = wr + (g + j) * bb;
@@ -236,7 +296,7 @@ Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q,
             if (qt == GQ4_1) mw[j] = half_to_float(wr + (g + j) * bb + 2);
         }
         int32_t is[MQ][8];
-        block_dots(qt, mt, wr + g * bb, gl, q + g * 32, K, is);
+        block_dots(qt, mt, wr + g * bb, gl, q + g * 32, NULL, NULL, nb, K, is);
         for (int m = 0; m < mt; m++) {
             double dx[8] = {0}, sx[8] = {0};
             for (int j = 0; j < gl; j++) {
@@ -259,18 +319,18 @@ Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q,
 
 #define GEMV_Q8_CASE(QT)                                              \
     switch (mt) {                                                     \
-    case 1: gemv_row_q8(QT, 1, wr, qm, dm, sm, K, res, N); break;     \
-    case 2: gemv_row_q8(QT, 2, wr, qm, dm, sm, K, res, N); break;     \
-    case 3: gemv_row_q8(QT, 3, wr, qm, dm, sm, K, res, N); break;     \
-    default: gemv_row_q8(QT, 4, wr, qm, dm, sm, K, res, N); break;    \
+    case 1: gemv_row_q8(QT, 1, wr, qm, pm, dm, sm, K, res, N); break; \
+    case 2: gemv_row_q8(QT, 2, wr, qm, pm, dm, sm, K, res, N); break; \
+    case 3: gemv_row_q8(QT, 3, wr, qm, pm, dm, sm, K, res, N); break; \
+    default: gemv_row_q8(QT, 4, wr, qm, pm, dm, sm, K, res, N); break;\
     }
 
 /* weight rows [n0, n1) against activation rows [m0, m0 + mt): a function of its own so that the
  * OpenMP body below calls code built with Q8_EXACT's options */
 Q8_EXACT __attribute__((noinline)) static void gemv_rows_q8(int qt, int mt, const uint8_t *w, int64_t rb,
                                                             int64_t n0, int64_t n1, const int8_t *qm,
-                                                            const float *dm, const int32_t *sm, int64_t K,
-                                                            float *out, int64_t N) {
+                                                            const int8_t *pm, const float *dm, const int32_t *sm,
+                                                            int64_t K, float *out, int64_t N) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * rb;
         float *res = out + n;
@@ -284,10 +344,28 @@ Q8_EXACT __attribute__((noinline)) static void gemv_rows_q8(int qt, int mt, cons
     }
 }
 
+/* p = q with each pair of blocks (2i, 2i + 1) laid out as the Q4 pair kernel reads it: elements
+ * 0..15 of both blocks, then 16..31 of both (a last odd block is copied as it is) */
+static void pair_activations(const int8_t *q, int64_t M, int64_t K, int8_t *p) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *src = q + m * K;
+        int8_t *dst = p + m * K;
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            memcpy(dst + b * 32, src + b * 32, 16);
+            memcpy(dst + b * 32 + 16, src + b * 32 + 32, 16);
+            memcpy(dst + b * 32 + 32, src + b * 32 + 16, 16);
+            memcpy(dst + b * 32 + 48, src + b * 32 + 48, 16);
+        }
+        if (b < nb) memcpy(dst + b * 32, src + b * 32, 32);
+    }
+}
+
 /* x [M, K] quantized per 32-block to int8, then integer block dot products with w */
 int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt];
-    int8_t *q = malloc((size_t)(M * K) + 1);
+    int8_t *q = malloc((size_t)(2 * M * K) + 1); /* q, then q paired */
     float *d = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(float));
     int32_t *sq = malloc(sizeof(int32_t) * (size_t)(M * nb) + sizeof(int32_t));
     if (!q || !d || !sq) {
@@ -297,13 +375,16 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
         return TF_ENOMEM;
     }
     ggml_quantize_rows_q8(x, M, K, q, d, sq);
+    int8_t *qp = q + M * K;
+    if (qt != GQ8_0) pair_activations(q, M, K, qp);
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for num_threads(tf_nthreads()) schedule(static) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n1 = (c + 1) * NC < N ? (c + 1) * NC : N;
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {
             const int mt = M - m0 < MQ ? (int)(M - m0) : MQ;
-            gemv_rows_q8(qt, mt, w, rb, c * NC, n1, q + m0 * K, d + m0 * nb, sq + m0 * nb, K, out + m0 * N, N);
+            gemv_rows_q8(qt, mt, w, rb, c * NC, n1, q + m0 * K, qp + m0 * K, d + m0 * nb, sq + m0 * nb, K,
+                         out + m0 * N, N);
         }
     }
     free(q);
