@@ -29,6 +29,7 @@ from tokenfab.server.batch.validation import read_lines
 logger = logging.getLogger("tokenfab.server.batch")
 RETRY_SECONDS = 0.5  # a full engine queue (429): the line waits and tries again
 POLL_SECONDS = 1.0
+ENGINE_RETRY_SECONDS = 5.0  # the engine answered 503: the batch is released and looked at again after this
 
 
 class _EngineUnavailable(Exception):
@@ -115,7 +116,7 @@ class BatchWorker:
         if reason in ("lost", "engine"):
             if reason == "engine":
                 await self.db.run(functools.partial(self._release, batch_id))
-                await asyncio.sleep(5 * POLL_SECONDS)
+                await asyncio.sleep(ENGINE_RETRY_SECONDS)
             return
         final = {"cancel": "cancelled", "expired": "expired"}.get(reason or "", None)
         await self._finalize(batch_id, results, final)
