@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.server.postgres import postgres_url
 from tokenfab.server.batch import worker as worker_module
 from tokenfab.server.batch.batches import BatchStore
 from tokenfab.server.batch.config import BatchConfig
@@ -39,8 +40,8 @@ class CountingRunner:
         return 200, {"id": "cmpl-" + body["prompt"], "choices": [{"text": body["prompt"]}]}
 
 
-def _setup(tmp: Path) -> tuple[Database, FileStore, BatchStore, BatchConfig]:
-    config = BatchConfig(data_dir=tmp, concurrency=3, lease_seconds=0.2)
+def _setup(tmp: Path, url: str | None = None) -> tuple[Database, FileStore, BatchStore, BatchConfig]:
+    config = BatchConfig(data_dir=tmp, database_url=url, concurrency=3, lease_seconds=0.2)
     db = Database(config.url)
     files = FileStore(db, tmp)
     return db, files, BatchStore(db, files), config
@@ -70,45 +71,52 @@ def _published(files: FileStore, file_id: str) -> list[dict[str, Any]]:
 
 
 def test_stopped_mid_batch_then_resumed_runs_each_line_once(tmp_path):
-    async def main() -> None:
-        db, files, batches, config = _setup(tmp_path)
-        prompts = [f"p{i}" for i in range(LINES)]
-        prompts[5] = "bad"
-        batch_id = await _create(files, batches, prompts)
-        runner = CountingRunner()
-        first = BatchWorker(db, files, runner, config)  # type: ignore[arg-type]
-        first.start()
-        await _until(batches, batch_id, lambda b: b["request_counts"]["completed"] >= 4)
-        task = first._task
-        assert task is not None
-        task.cancel()  # its lines in flight are cut off, nothing is finalized
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        partial = tmp_path / "batches" / batch_id / "output.jsonl"
-        with open(partial, "ab") as f:  # the crash tore the line being written
-            f.write(b'{"id": "batch_req_x", "custom_id": "c11", "resp')
-        done_before = partial.read_bytes().count(b"\n") + (tmp_path / "batches" / batch_id / "errors.jsonl"
-                                                           ).read_bytes().count(b"\n")
-        assert 4 <= done_before < LINES
-        second = BatchWorker(db, files, runner, config)  # type: ignore[arg-type]
-        second.start()
-        batch = await _until(batches, batch_id, lambda b: b["status"] == "completed")
-        await second.stop()
-        assert batch["request_counts"] == {"total": LINES, "completed": LINES - 1, "failed": 1}
-        ran = list(runner.calls)
-        in_flight_when_stopped = len(ran) - LINES  # lines cancelled mid-run by the crash run again, once
-        assert sorted(set(ran)) == sorted(prompts) and 0 <= in_flight_when_stopped <= config.concurrency
-        output = _published(files, batch["output_file_id"])
-        assert [x["custom_id"] for x in output] == [f"c{i}" for i in range(LINES) if i != 5]
-        assert output[0]["response"] == {"status_code": 200, "request_id": "cmpl-p0",
-                                         "body": {"id": "cmpl-p0", "choices": [{"text": "p0"}]}}
-        [error] = _published(files, batch["error_file_id"])
-        assert error["custom_id"] == "c5" and error["response"]["status_code"] == 400
-        appended = [json.loads(x)["custom_id"] for x in partial.read_text().splitlines()]
-        assert sorted(appended) == sorted(f"c{i}" for i in range(LINES) if i != 5)  # the torn line was cut
-        db.close()
+    asyncio.run(_stopped_then_resumed(tmp_path, None))
 
-    asyncio.run(main())
+
+def test_the_same_on_postgresql(tmp_path):
+    """Several API servers share one PostgreSQL: the same model code, the same resume, on a real server."""
+    with postgres_url() as url:
+        asyncio.run(_stopped_then_resumed(tmp_path, url))
+
+
+async def _stopped_then_resumed(tmp_path: Path, url: str | None) -> None:
+    db, files, batches, config = _setup(tmp_path, url)
+    prompts = [f"p{i}" for i in range(LINES)]
+    prompts[5] = "bad"
+    batch_id = await _create(files, batches, prompts)
+    runner = CountingRunner()
+    first = BatchWorker(db, files, runner, config)  # type: ignore[arg-type]
+    first.start()
+    await _until(batches, batch_id, lambda b: b["request_counts"]["completed"] >= 4)
+    task = first._task
+    assert task is not None
+    task.cancel()  # its lines in flight are cut off, nothing is finalized
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    partial = tmp_path / "batches" / batch_id / "output.jsonl"
+    with open(partial, "ab") as f:  # the crash tore the line being written
+        f.write(b'{"id": "batch_req_x", "custom_id": "c11", "resp')
+    done_before = partial.read_bytes().count(b"\n") + (tmp_path / "batches" / batch_id / "errors.jsonl"
+                                                       ).read_bytes().count(b"\n")
+    assert 4 <= done_before < LINES
+    second = BatchWorker(db, files, runner, config)  # type: ignore[arg-type]
+    second.start()
+    batch = await _until(batches, batch_id, lambda b: b["status"] == "completed")
+    await second.stop()
+    assert batch["request_counts"] == {"total": LINES, "completed": LINES - 1, "failed": 1}
+    ran = list(runner.calls)
+    in_flight_when_stopped = len(ran) - LINES  # lines cancelled mid-run by the crash run again, once
+    assert sorted(set(ran)) == sorted(prompts) and 0 <= in_flight_when_stopped <= config.concurrency
+    output = _published(files, batch["output_file_id"])
+    assert [x["custom_id"] for x in output] == [f"c{i}" for i in range(LINES) if i != 5]
+    assert output[0]["response"] == {"status_code": 200, "request_id": "cmpl-p0",
+                                     "body": {"id": "cmpl-p0", "choices": [{"text": "p0"}]}}
+    [error] = _published(files, batch["error_file_id"])
+    assert error["custom_id"] == "c5" and error["response"]["status_code"] == 400
+    appended = [json.loads(x)["custom_id"] for x in partial.read_text().splitlines()]
+    assert sorted(appended) == sorted(f"c{i}" for i in range(LINES) if i != 5)  # the torn line was cut
+    db.close()
 
 
 def test_engine_503_leaves_the_line_pending_and_a_live_lease_is_kept(tmp_path, monkeypatch):
