@@ -32,6 +32,7 @@ from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, error_response, install_exception_handlers
 from tokenfab.server.fleet_routes import add_routes as add_fleet_routes
 from tokenfab.server.limits import BodySizeLimitMiddleware
+from tokenfab.server.lora_routes import add_routes as add_lora_routes
 from tokenfab.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tokenfab.server.responses import (
     ChatCompletionResponse,
@@ -93,6 +94,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
     add_responses_routes(app, server, responses_store, auth)
     if batches is not None:
         add_batch_routes(app, batches, auth)
+    add_lora_routes(app, server)  # --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_fleet_routes(app, server)  # what the routers call: /get_load, server and model info, /health_generate
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(*auth))

@@ -63,7 +63,10 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           reasoning_parser=getattr(args, "reasoning_parser", None),
                           responses_store_size=getattr(args, "responses_store_size", 1024),
                           responses_ttl=getattr(args, "responses_ttl", 3600.0),
-                          load_report=getattr(args, "load_report", "vllm-router"))
+                          load_report=getattr(args, "load_report", "vllm-router"),
+                          enable_lora=getattr(args, "enable_lora", False),
+                          lora_modules=getattr(args, "lora_modules", None),
+                          max_lora_rank=getattr(args, "max_lora_rank", None))
     app = build_app(async_engine, config, BatchConfig.from_cli_args(args))
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

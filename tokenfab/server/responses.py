@@ -27,6 +27,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenfab"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's path (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -25,6 +25,7 @@ from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.server.chat_template import render_chat
 from tokenfab.server.errors import APIError, param_of
 from tokenfab.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from tokenfab.server.lora_registry import REQUEST_LORA, LoRARegistry, parse_lora_module
 from tokenfab.server.metrics import ServerMetrics
 from tokenfab.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenfab.server.responses import ModelCard, ModelList
@@ -45,6 +46,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (responses_store.py)
     responses_ttl: float = 3600.0
+    # multi-LoRA (lora_registry.py): --enable-lora, --lora-modules, --max-lora-rank
+    enable_lora: bool = False
+    lora_modules: list | None = None
+    max_lora_rank: int | None = None
     load_report: str = "vllm-router"  # the shape of GET /get_load (fleet_routes.py): vllm-router or sglang-router
 
 
@@ -69,6 +74,11 @@ class OpenAIServer:
         # One worker: the event loop stays free, which is the point, and the copy is used by one thread.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-tok")
         self.created = int(time.time())
+        self.loras = LoRARegistry(self.config.enable_lora, self.model_name, self.config.max_lora_rank)
+        for spec in self.config.lora_modules or []:
+            if not self.config.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
+            self.loras.add(*parse_lora_module(spec), stable_id=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -108,8 +118,10 @@ class OpenAIServer:
                            code="engine_dead")
 
     def check_model(self, model: str | None) -> None:
+        """The request's model: the base, or a LoRA adapter by name (kept for ``submit``)."""
         self.check_alive()
-        if model is not None and model != self.model_name:
+        REQUEST_LORA.set(None if model is None or model == self.model_name else self.loras.resolve(model))
+        if model is not None and model != self.model_name and REQUEST_LORA.get() is None:
             raise APIError(400, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
@@ -212,8 +224,9 @@ class OpenAIServer:
     async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,
                      arrival: float, request_id: str, cache_salt: str | None = None) -> RequestStream:
         try:
+            lora = REQUEST_LORA.get()  # set by check_model in this request's task
             stream = self.engine.add_requests(request_id, prompts, params, priority, arrival_time=arrival,
-                                              cache_salt=cache_salt)
+                                              cache_salt=cache_salt, **({"lora_request": lora} if lora else {}))
         except QueueFullError as e:
             raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error") from e
         except EngineDeadError as e:
@@ -254,7 +267,8 @@ class OpenAIServer:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
 
     def models(self) -> dict[str, Any]:
-        return ModelList(data=[self.model_card()]).model_dump()
+        cards = [self.model_card()] + [ModelCard(**c, max_model_len=self.max_model_len) for c in self.loras.cards()]
+        return ModelList(data=cards).model_dump()
 
 
 def _own_copy(tokenizer: Any) -> Any:

@@ -38,6 +38,7 @@ from tokenfab.engine.core.request_stream import (
 )
 from tokenfab.engine.forwarded import Forwarded
 from tokenfab.engine.requests.errors import EngineDeadError, QueueFullError, RequestFailedError
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
@@ -163,7 +164,7 @@ class AsyncEngine:
 
     def add_requests(self, request_id: str | None, prompts: Sequence[PromptType], params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Submit ``len(prompts) * params.n`` choices as one stream; choice index = prompt_index*n + i.
 
         Raises ``QueueFullError`` when the choices waiting plus these ``n * len(prompts)`` exceed
@@ -181,7 +182,7 @@ class AsyncEngine:
         request_id = request_id or self._new_id()
         total = max(1, int(params.n)) * len(prompts)
         stream = RequestStream(self._abort_stream, request_id, total, loop, arrival_time)
-        subs = stream.subs = make_choices(stream, prompts, params, priority, cache_salt)
+        subs = stream.subs = make_choices(stream, prompts, params, priority, cache_salt, lora_request)
         with self._cv:
             if self._error is not None:  # died while this request was being built
                 raise EngineDeadError(f"engine stopped: {self._error}")
@@ -305,6 +306,8 @@ class AsyncEngine:
         try:
             for sub in subs:
                 extra = {"cache_salt": sub.cache_salt} if sub.cache_salt is not None else {}
+                if sub.lora_request is not None:  # multi-LoRA: only engines started with --enable-lora take it
+                    extra["lora_request"] = sub.lora_request
                 self.engine.add_request(sub.engine_id, sub.prompt, sub.params, sub.priority, **extra)
                 self._subs[sub.engine_id] = sub
                 added.append(sub)

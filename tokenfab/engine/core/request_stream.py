@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import Finishable, Logprob, RequestOutput
 from tokenfab.engine.requests.sampling_params import SEED_MAX, SamplingParams
 
@@ -55,6 +56,7 @@ class Choice:
     params: SamplingParams
     priority: int
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # multi-LoRA: the adapter this choice runs with
     num_tokens: int = 0
     first_token_time: float | None = None
     sent_prompt_logprobs: bool = False
@@ -165,7 +167,7 @@ def deliver(items: list[tuple[RequestStream, StreamChunk | BaseException]]) -> N
 
 
 def make_choices(stream: RequestStream, prompts: list[PromptType], params: SamplingParams, priority: int,
-                 cache_salt: str | None) -> list[Choice]:
+                 cache_salt: str | None, lora_request: LoRARequest | None = None) -> list[Choice]:
     """One ``Choice`` per prompt and per ``n``: choice index = prompt_index * n + i; engine request id
     ``{id}-{index}`` (the stream's id alone when there is one choice)."""
     n = max(1, int(params.n))
@@ -176,7 +178,8 @@ def make_choices(stream: RequestStream, prompts: list[PromptType], params: Sampl
             index = p_idx * n + i
             sub_params = choice_params(params, i, clone_constraint=index > 0)
             engine_id = stream.request_id if total == 1 else f"{stream.request_id}-{index}"
-            subs.append(Choice(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt))
+            subs.append(Choice(engine_id, stream, index, p_idx, prompt, sub_params, priority, cache_salt,
+                               lora_request))
     return subs
 
 

@@ -1,0 +1,139 @@
+"""Multi-LoRA over HTTP (vLLM's API): the official ``openai`` client picks adapters with ``model``;
+``/v1/models`` lists them with ``parent``; ``/v1/load_lora_adapter`` / ``unload_lora_adapter`` through httpx,
+with their error statuses and OpenAI error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.lora.adapters import merged_greedy
+from tests.server.conftest import LiveServer
+from tokenfab.engine.core.async_engine import AsyncEngine
+from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.server.app import ServerConfig, build_app
+
+pytest.importorskip("peft")
+
+N_NEW = 6
+PROMPT = [5, 17, 33, 2, 90, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def live(lora_chat_setup):
+    base_dir, base, tokenizer, adapters = lora_chat_setup
+    engine = LLMEngine(model=base_dir, device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+                       max_lora_rank=8, num_kv_blocks=64, block_size=4, served_model_name="base")
+    config = ServerConfig(enable_lora=True, max_lora_rank=8,
+                          lora_modules=[f"x={adapters['x']}", f'{{"name": "y", "path": "{adapters["y"]}"}}'])
+    server = LiveServer(build_app(AsyncEngine(engine), config))
+    chat_text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer.encode(chat_text, add_special_tokens=False)  # as the server tokenizes a rendered chat
+    prompt_ids = tokenizer.encode(PROMPT_TEXT)
+    refs = {}
+    for n in (None, "x", "y"):
+        ids = merged_greedy(base, adapters.get(n), [prompt_ids, chat_ids], N_NEW)
+        refs[n] = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    yield server, adapters, refs
+    server.stop()
+
+
+PROMPT_TEXT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name a primary color."}]
+
+
+def test_model_picks_the_adapter(live):
+    """completions, chat and responses with model = base / x / y in one batch each: each the text of
+    transformers' greedy tokens with that adapter merged by PEFT."""
+    server, _, refs = live
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert refs["x"] != refs[None] and refs["y"] != refs[None]  # the adapters change the output
+    extra = {"ignore_eos": True}
+
+    async def run():
+        calls = []
+        for m in ("base", "x", "y"):
+            calls.append(client.completions.create(model=m, prompt=PROMPT_TEXT, max_tokens=N_NEW, temperature=0.0,
+                                                   extra_body=extra))
+            calls.append(client.chat.completions.create(model=m, messages=CHAT, max_tokens=N_NEW, temperature=0.0,
+                                                        extra_body=extra))
+            calls.append(client.responses.create(model=m, input=CHAT, max_output_tokens=N_NEW, temperature=0.0))
+        return await asyncio.gather(*calls)
+
+    out = asyncio.run(run())
+    for k, m in enumerate((None, "x", "y")):
+        comp, chat, resp = out[3 * k : 3 * k + 3]
+        assert comp.choices[0].text == refs[m][0], m
+        assert chat.choices[0].message.content == refs[m][1], m
+        assert resp.output_text == refs[m][1], m
+
+
+def test_models_lists_adapters_with_parent(live):
+    server, adapters, _ = live
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) >= {"base", "x", "y"}
+    assert cards["x"].parent == "base" and cards["x"].root == str(adapters["x"])
+    assert cards["base"].parent is None
+
+
+def test_load_unload_over_http(live):
+    server, adapters, _ = live
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "x2", "lora_path": str(adapters["x"])})
+        assert r.status_code == 200 and r.text.startswith("Success"), r.text
+        assert "x2" in {m.id for m in client.models.list().data}
+        out = client.completions.create(model="x2", prompt=[PROMPT], max_tokens=2, temperature=0.0)
+        assert out.choices[0].finish_reason == "length"
+        dup = http.post("/v1/load_lora_adapter", json={"lora_name": "x2", "lora_path": str(adapters["y"])})
+        assert dup.status_code == 400 and "already been loaded" in dup.json()["error"]["message"]
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "x2"})
+        assert r.status_code == 200 and r.text.startswith("Success")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="x2", prompt=[PROMPT], max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "x2"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "lora_adapter_not_found"
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"lora_name": "bad", "lora_path": "/nonexistent/adapter"}, 400, "no adapter"),
+    ({"lora_name": "z", "lora_path": None}, 400, ""),  # filled in below: rank 16 > --max-lora-rank 8
+    ({"lora_name": "nopath"}, 400, ""),
+    ({"lora_path": "/tmp"}, 400, ""),
+    ({"lora_name": "", "lora_path": "/tmp"}, 400, "lora_name"),
+    ({"lora_name": "base", "lora_path": "/tmp"}, 400, "base model"),
+    ({"lora_name": "q", "lora_path": "/tmp", "extra": 1}, 400, ""),
+])
+def test_hostile_loads_are_4xx(live, body, status, fragment):
+    server, adapters, _ = live
+    if body.get("lora_name") == "z":
+        body = {"lora_name": "z", "lora_path": str(adapters["z"])}
+        fragment = "max-lora-rank"
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/load_lora_adapter", json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["type"]
+        assert http.get("/health").status_code == 200
+        names = {m["id"] for m in http.get("/v1/models").json()["data"]}
+        assert not names & {"bad", "z", "nopath", "", "q"}
+
+
+def test_unknown_adapter_and_not_enabled(live, lora_chat_setup):
+    server, _, _ = live
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "nope", "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+    base_dir = lora_chat_setup[0]
+    plain = LiveServer(build_app(AsyncEngine(LLMEngine(model=base_dir, device="cpu", dtype="float32",
+                                                       num_kv_blocks=16)), ServerConfig()))
+    try:
+        with httpx.Client(base_url=plain.url, timeout=60) as http:
+            assert http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}).status_code == 404
+    finally:
+        plain.stop()
