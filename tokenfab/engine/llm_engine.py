@@ -306,6 +306,8 @@ class LLMEngine:
             computed_prompt_tokens_total=self.post.computed_prompt_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_cache_queries_total=bm.prefix_queries,
+            prefix_cache_hits_total=bm.prefix_hits,
             num_steps=self.post.num_steps,
             last_step_num_seqs=self.post.last_step[0],
             last_step_prefill_tokens=self.post.last_step[1],

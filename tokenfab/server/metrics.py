@@ -1,6 +1,7 @@
 """Prometheus metrics of the server: latency histograms observed per request, engine gauges and
 counters read from the engine's stats snapshot at scrape time. One registry per app, so several
-servers can live in one process (tests)."""
+servers can live in one process (tests). Beside our ``tokenfab_*`` names, the same measurements under vLLM's
+``vllm:*`` names (``metrics_vllm.py``), which routers and endpoint pickers scrape."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tokenfab.server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
 PREFIX = "tokenfab"
 
@@ -99,20 +102,27 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.http_errors = Counter(f"{PREFIX}_request_errors", "Requests answered with an error status.",
                                    ["model_name", "status"], registry=self.registry)
+        self.vllm = VllmRequestMetrics(self.registry, model_name, _TTFT_BUCKETS, _TPOT_BUCKETS, _E2E_BUCKETS)
         if stats is not None:
             self.registry.register(_EngineCollector(stats, waiting or (lambda: 0), model_name))
+            self.registry.register(VllmEngineCollector(stats, waiting or (lambda: 0), model_name))
 
     # Hooks called on the engine thread (prometheus_client metrics are thread-safe).
     def on_first_token(self, ttft: float) -> None:
         self.ttft.observe(max(ttft, 0.0))
+        self.vllm.on_first_token(max(ttft, 0.0))
 
     def on_finished(self, chunk: Any, num_generated: int) -> None:
         reason = chunk.finish_reason or "stop"
         self.finished.labels(self.model_name, reason).inc()
+        e2e = tpot = None
         if chunk.finished_time is not None:
-            self.e2e.observe(max(chunk.finished_time - chunk.arrival_time, 0.0))
+            e2e = max(chunk.finished_time - chunk.arrival_time, 0.0)
+            self.e2e.observe(e2e)
             if chunk.first_token_time is not None and num_generated > 1:
-                self.tpot.observe(max(chunk.finished_time - chunk.first_token_time, 0.0) / (num_generated - 1))
+                tpot = max(chunk.finished_time - chunk.first_token_time, 0.0) / (num_generated - 1)
+                self.tpot.observe(tpot)
+        self.vllm.on_finished(reason, e2e, tpot)
 
     def error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()

@@ -35,3 +35,6 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0
     spec_draft_seconds_total: float = 0.0
     spec_verify_seconds_total: float = 0.0
+    # prefix cache, in prompt tokens: looked up / found (vLLM's prefix_cache_queries / prefix_cache_hits)
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
