@@ -9,11 +9,24 @@ used by one thread at a time.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, UniqueConstraint, create_engine
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 T = TypeVar("T")
@@ -73,6 +86,13 @@ class BatchLineRow(Base):
     failed: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+def _sqlite_wal(connection: Any, _record: Any) -> None:
+    """SQLite in write-ahead-log mode: readers (other API servers, list calls) do not wait for a writer."""
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.close()
+
+
 class Database:
     """An engine, its sessions, and the one thread every statement runs on."""
 
@@ -81,7 +101,16 @@ class Database:
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         self.engine = create_engine(url, **kwargs)
-        Base.metadata.create_all(self.engine)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_wal)
+        for attempt in range(5):  # API servers starting together race to create the tables: the loser retries
+            try:
+                Base.metadata.create_all(self.engine)
+                break
+            except (OperationalError, ProgrammingError, IntegrityError):
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
         self.session = sessionmaker(self.engine, expire_on_commit=False)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-db")
 
