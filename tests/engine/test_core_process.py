@@ -36,7 +36,8 @@ def test_every_message_round_trips():
     params = ipc.params_to_wire(SamplingParams(temperature=0.5, seed=3, stop=["x"], logit_bias={5: -1.5}))
     out = ["r1", [1, 2], [[[1, 7], [-0.1, -2.0], [1, 2]], [[2], [-0.5], [1]]], "stop", 2, None, 16,
            [None, [[3], [-1.0], [1]]]]
-    messages = [("hello",), ("add", "r1", [1, 2, 3], params, 0, None, '{"type": "json_object"}', 1.5),
+    messages = [("hello",), ("add", "r1", [1, 2, 3], params, 0, None, '{"type": "json_object"}', 1.5, None),
+                ("add", "r2", [4], params, 0, "salt", None, 1.5, ["x", 7, "/adapters/x", None]),  # a LoRA request
                 ("abort", ["r1", "r2"]), ("shutdown",), ("ready", {"model_name": "m"}),
                 ("outputs", [out], {"num_running": 1}), ("outputs", [], None), ("dead", "boom")]
     for tag, *fields in messages:
@@ -83,7 +84,7 @@ def test_sampling_params_round_trip():
                        frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=9, min_tokens=2,
                        stop=["a", "bc"], stop_token_ids=[3], ignore_eos=True, logprobs=3, prompt_logprobs=1,
                        logit_bias={7: 2.0, 11: -100.0}, skip_special_tokens=False, include_stop_str_in_output=True)
-    _, fields = ipc.decode(ipc.encode("add", "r", [1], ipc.params_to_wire(p), 0, None, None, 0.0))
+    _, fields = ipc.decode(ipc.encode("add", "r", [1], ipc.params_to_wire(p), 0, None, None, 0.0, None))
     back = ipc.params_from_wire(fields[2])
     assert dataclasses.asdict(back) == dataclasses.asdict(p)
 
@@ -262,7 +263,7 @@ def test_bad_request_is_refused_before_sending(core):
 def test_core_rejects_a_request_it_cannot_take(core):
     """A request the front end let through but the core refuses comes back as an error output."""
     client, _ = core
-    client._send(ipc.encode("add", "x1", [1, 2], {"temperature": 1.0, "nope": 1}, 0, None, None, 0.0))
+    client._send(ipc.encode("add", "x1", [1, 2], {"temperature": 1.0, "nope": 1}, 0, None, None, 0.0, None))
     client.processor.add("x1", [1, 2], SamplingParams())
     client._inflight.add("x1")
     client._adds_sent += 1

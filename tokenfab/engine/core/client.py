@@ -45,6 +45,7 @@ from tokenfab.engine.core.wakeup import WakeupPipe
 from tokenfab.engine.intake import RequestLimits, tokenize_prompt
 from tokenfab.engine.output_processor import OutputProcessor
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.stats import EngineStats
@@ -229,7 +230,7 @@ class EngineCoreClient:
         self.limits.check(prompt_token_ids, params)  # the very checks LLMEngine runs (engine/intake.py)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         params = params or SamplingParams()
@@ -245,7 +246,7 @@ class EngineCoreClient:
             if spec is None:
                 raise ValueError("this constraint cannot be sent to the engine process (no spec_json)")
         self._send(ipc.encode("add", request_id, ids, ipc.params_to_wire(params), int(priority), cache_salt,
-                              spec, time.time()))
+                              spec, time.time(), lora_request.to_wire() if lora_request is not None else None))
         self.processor.add(request_id, ids, params)
         self._inflight.add(request_id)
         self._adds_sent += 1

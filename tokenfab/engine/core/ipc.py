@@ -73,7 +73,9 @@ def _output(x: Any) -> bool:
 # tag -> the checks of its fields, in order
 SCHEMA: dict[str, tuple[Any, ...]] = {
     "hello": (),
-    "add": (_str, _int_list, lambda x: isinstance(x, dict), _is_int, _opt(_str), _opt(_str), _is_num),
+    # ..., arrival time, LoRA request as [name, id, path, base] (multi-LoRA) or None
+    "add": (_str, _int_list, lambda x: isinstance(x, dict), _is_int, _opt(_str), _opt(_str), _is_num,
+            _opt(lambda x: isinstance(x, list))),
     "abort": (lambda x: isinstance(x, list) and all(_str(t) for t in x),),
     "shutdown": (),
     "ready": (lambda x: isinstance(x, dict),),

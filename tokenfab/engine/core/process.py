@@ -37,6 +37,7 @@ from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core import ipc
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.errors import EngineDeadError
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import logprobs_to_wire
 from tokenfab.engine.runner.device_setup import resolve_device
 from tokenfab.engine.runner.structured import StructuredOutputCompiler
@@ -185,7 +186,7 @@ class EngineCore:
             log.warning("unexpected message %r from a front end", tag)
 
     def _add(self, ident: bytes, rid: str, ids: list[int], params_d: dict, priority: int,
-             cache_salt: str | None, spec: str | None, _arrival: float) -> None:
+             cache_salt: str | None, spec: str | None, _arrival: float, lora: list | None = None) -> None:
         idx = self._clients.setdefault(ident, len(self._clients))
         self._seen.setdefault(ident, [0, 0])[0] += 1
         self._dirty.add(ident)
@@ -194,7 +195,8 @@ class EngineCore:
             params = ipc.params_from_wire(params_d)
             if spec is not None:
                 params = dataclasses.replace(params, constraint=self._constraint(spec))
-            self.engine.add_request(eid, ids, params, priority, cache_salt=cache_salt, prompt_token_ids=ids)
+            self.engine.add_request(eid, ids, params, priority, cache_salt=cache_salt, prompt_token_ids=ids,
+                                    lora_request=LoRARequest.from_wire(lora))
         except Exception as e:  # the front end checked it already: a mismatch of versions or a race
             log.warning("request %s rejected by the engine core: %s", rid, e)
             self._send(ident, ipc.encode("outputs", [[rid, [], None, "error", None, f"rejected: {e}", 0, None]],
