@@ -2,12 +2,12 @@
 
 A Kubernetes preStop hook for a multi-node (torchrun) group's leader pod. On a single node, SIGTERM makes
 ``tokenfab serve`` drain by itself (uvicorn stops accepting, the engine finishes what runs). Under torchrun it
-cannot: the container's first process is torchrun, which passes SIGTERM to every local rank at once, so the
-TP workers of rank 0 stop before rank 0 can finish its requests. So the leader's preStop hook first sleeps
-while the pod leaves the endpoints (no new traffic is sent to it), then polls ``/metrics`` until the requests
-running plus waiting are 0 twice in a row (or ``--timeout`` passes); only then does SIGTERM arrive, with
-nothing left to lose. A server that does not answer is taken as already gone (exit 0); a timeout exits 1, which
-Kubernetes records as a FailedPreStopHook event on the pod.
+cannot: the container's first process is torchrun, which sends SIGTERM to each local rank's whole process
+group, so rank 0's engine core exits at once, and the TP workers in the other pods stop with theirs. So the
+leader's preStop hook first sleeps while the pod leaves the endpoints (no new traffic is sent to it), then
+polls ``/metrics`` until the requests running plus waiting are 0 twice in a row (or ``--timeout`` passes);
+only then does SIGTERM arrive, with nothing left to lose. A server that does not answer is taken as already
+gone (exit 0); a timeout exits 1, which Kubernetes records as a FailedPreStopHook event on the pod.
 """
 
 from __future__ import annotations
