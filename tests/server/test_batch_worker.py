@@ -37,7 +37,8 @@ class CountingRunner:
             return 503, {"error": {"message": "engine dead", "type": "server_error", "param": None, "code": None}}
         if body["prompt"] == "bad":
             return 400, {"error": {"message": "no", "type": "invalid_request_error", "param": "x", "code": None}}
-        return 200, {"id": "cmpl-" + body["prompt"], "choices": [{"text": body["prompt"]}]}
+        return 200, {"id": "cmpl-" + body["prompt"], "choices": [{"text": body["prompt"]}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
 
 def _setup(tmp: Path, url: str | None = None) -> tuple[Database, FileStore, BatchStore, BatchConfig]:
@@ -110,8 +111,10 @@ async def _stopped_then_resumed(tmp_path: Path, url: str | None) -> None:
     assert sorted(set(ran)) == sorted(prompts) and 0 <= in_flight_when_stopped <= config.concurrency
     output = _published(files, batch["output_file_id"])
     assert [x["custom_id"] for x in output] == [f"c{i}" for i in range(LINES) if i != 5]
-    assert output[0]["response"] == {"status_code": 200, "request_id": "cmpl-p0",
-                                     "body": {"id": "cmpl-p0", "choices": [{"text": "p0"}]}}
+    assert output[0]["response"]["request_id"] == "cmpl-p0"
+    assert output[0]["response"]["body"]["choices"] == [{"text": "p0"}]
+    usage = batch["usage"]  # summed over the answered lines, the resumed ones counted from the result file
+    assert (usage["input_tokens"], usage["output_tokens"]) == (3 * (LINES - 1), 2 * (LINES - 1))
     [error] = _published(files, batch["error_file_id"])
     assert error["custom_id"] == "c5" and error["response"]["status_code"] == 400
     appended = [json.loads(x)["custom_id"] for x in partial.read_text().splitlines()]

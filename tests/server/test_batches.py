@@ -99,7 +99,7 @@ def test_batch_output_equals_online_and_rejected_bodies_land_in_the_error_file(b
     done = _wait(bc, batch.id, ("completed", "failed"))
     assert done.status == "completed", done
     assert done.request_counts.model_dump() == {"total": 6, "completed": 4, "failed": 2}
-    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.model == served.model
     output = _lines(bc, done.output_file_id)
     assert [x["custom_id"] for x in output] == [f"req-{i}" for i in range(4)]  # input order, each once
     for line, prompt in zip(output, PROMPTS):
@@ -109,6 +109,9 @@ def test_batch_output_equals_online_and_rejected_bodies_land_in_the_error_file(b
         online = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=8, temperature=0.0)
         assert body["choices"][0]["message"]["content"] == online.choices[0].message.content
+    assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in output)
+    assert done.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in output) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     errors = {x["custom_id"]: x for x in _lines(bc, done.error_file_id)}
     assert set(errors) == {"bad-temperature", "bad-model"}
     for line in errors.values():

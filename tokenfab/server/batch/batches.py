@@ -33,7 +33,11 @@ def batch_object(row: BatchRow) -> dict[str, Any]:
         "completed_at": row.completed_at, "failed_at": row.failed_at, "expired_at": row.expired_at,
         "cancelling_at": row.cancelling_at, "cancelled_at": row.cancelled_at,
         "request_counts": {"total": row.total, "completed": row.completed, "failed": row.failed},
-        "metadata": row.metadata_,
+        "metadata": row.metadata_, "model": row.model,
+        "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
+                  "input_tokens_details": {"cached_tokens": row.cached_tokens},
+                  "output_tokens_details": {"reasoning_tokens": row.reasoning_tokens},
+                  "total_tokens": row.input_tokens + row.output_tokens},
     }
 
 
@@ -49,9 +53,10 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 class BatchStore:
-    def __init__(self, db: Database, files: FileStore) -> None:
+    def __init__(self, db: Database, files: FileStore, model: str | None = None) -> None:
         self.db = db
         self.files = files
+        self.model = model  # the served model, the batch object's `model`
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -68,7 +73,8 @@ class BatchStore:
         now = int(time.time())
         row = BatchRow(id=sortable_id("batch_"), status="validating", endpoint=endpoint,
                        input_file_id=input_file_id, completion_window=completion_window, created_at=now,
-                       expires_at=now + BATCH_WINDOW_SECONDS, metadata_=metadata, total=0, completed=0, failed=0)
+                       expires_at=now + BATCH_WINDOW_SECONDS, metadata_=metadata, total=0, completed=0, failed=0,
+                       model=self.model, input_tokens=0, cached_tokens=0, output_tokens=0, reasoning_tokens=0)
         if checked.errors:  # OpenAI's way: the batch exists, failed, with each bad line's number
             row.status, row.failed_at, row.errors = "failed", now, checked.errors
         else:

@@ -68,6 +68,11 @@ class BatchRow(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)
     completed: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)  # usage, summed over the answered lines
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
     errors: Mapped[list | None] = mapped_column(JSON, nullable=True)  # [{code, message, param, line}]
     owner: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the worker holding the lease

@@ -24,6 +24,20 @@ def result_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
+USAGE_FIELDS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+
+
+def usage_of(body: dict[str, Any]) -> dict[str, int]:
+    """A response body's token usage in the batch's terms (chat/completions' names or the Responses API's)."""
+    u = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    inputs = u.get("prompt_tokens_details") or u.get("input_tokens_details") or {}
+    outputs = u.get("completion_tokens_details") or u.get("output_tokens_details") or {}
+    return {"input_tokens": int(u.get("prompt_tokens", u.get("input_tokens", 0)) or 0),
+            "cached_tokens": int(inputs.get("cached_tokens", 0) or 0),
+            "output_tokens": int(u.get("completion_tokens", u.get("output_tokens", 0)) or 0),
+            "reasoning_tokens": int(outputs.get("reasoning_tokens", 0) or 0)}
+
+
 def _complete_lines(path: Path) -> list[bytes]:
     """The file's whole lines; a torn last line (a crash mid-write) is cut off the file."""
     if not path.exists():
@@ -43,13 +57,20 @@ class ResultFiles:
         self.paths = {False: self.dir / "output.jsonl", True: self.dir / "errors.jsonl"}
         self._open: dict[bool, BinaryIO] = {}
 
-    def reconcile(self) -> dict[str, bool]:
-        """custom_id -> failed, for every line already written (blocking)."""
+    def reconcile(self) -> tuple[dict[str, bool], dict[str, int]]:
+        """custom_id -> failed for every line already written, and the usage they add up to (blocking)."""
         done: dict[str, bool] = {}
+        usage = dict.fromkeys(USAGE_FIELDS, 0)
         for failed, path in self.paths.items():
-            for line in _complete_lines(path):
-                done.setdefault(json.loads(line)["custom_id"], failed)
-        return done
+            for raw in _complete_lines(path):
+                line = json.loads(raw)
+                if line["custom_id"] in done:
+                    continue
+                done[line["custom_id"]] = failed
+                if not failed:
+                    for k, v in usage_of(line["response"]["body"]).items():
+                        usage[k] += v
+        return done, usage
 
     def append(self, line: dict[str, Any], failed: bool) -> None:
         f = self._open.get(failed)

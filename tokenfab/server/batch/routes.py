@@ -57,7 +57,7 @@ class BatchService:
         self.config = config
         self.db = Database(config.url)
         self.files = FileStore(self.db, config.data_dir)
-        self.batches = BatchStore(self.db, self.files)
+        self.batches = BatchStore(self.db, self.files, server.model_name)
         runner = LineRunner(server, responses_store)
         self.worker = BatchWorker(self.db, self.files, runner, config) if config.worker else None
 

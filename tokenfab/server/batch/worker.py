@@ -23,7 +23,7 @@ from tokenfab.server.batch.config import BatchConfig
 from tokenfab.server.batch.db import BatchLineRow, BatchRow, Database
 from tokenfab.server.batch.dispatch import LineRunner
 from tokenfab.server.batch.files import FileStore
-from tokenfab.server.batch.results import ResultFiles, result_line
+from tokenfab.server.batch.results import ResultFiles, result_line, usage_of
 from tokenfab.server.batch.validation import read_lines
 
 logger = logging.getLogger("tokenfab.server.batch")
@@ -104,8 +104,8 @@ class BatchWorker:
     async def _run_batch(self, batch_id: str) -> None:
         self._current, self._stop_reason = batch_id, None
         results = ResultFiles(self.files.root, batch_id)
-        done = await asyncio.to_thread(results.reconcile)
-        row = await self.db.run(lambda s: self._resume(s, batch_id, done))
+        done, usage = await asyncio.to_thread(results.reconcile)
+        row = await self.db.run(lambda s: self._resume(s, batch_id, done, usage))
         try:
             if row.status == "in_progress":
                 await self._execute(row, results)
@@ -121,7 +121,7 @@ class BatchWorker:
         final = {"cancel": "cancelled", "expired": "expired"}.get(reason or "", None)
         await self._finalize(batch_id, results, final)
 
-    def _resume(self, s: Session, batch_id: str, done: dict[str, bool]) -> BatchRow:
+    def _resume(self, s: Session, batch_id: str, done: dict[str, bool], usage: dict[str, int]) -> BatchRow:
         """The database brought in line with the result files (the truth after a crash); validating -> in_progress."""
         ids = list(done)
         for failed in (False, True):
@@ -134,6 +134,8 @@ class BatchWorker:
         assert row is not None
         row.failed = sum(done.values())
         row.completed = len(done) - row.failed
+        for name, value in usage.items():
+            setattr(row, name, value)
         if row.status == "validating":
             row.status, row.in_progress_at = "in_progress", int(time.time())
         if row.status == "in_progress" and time.time() > row.expires_at:
@@ -186,7 +188,8 @@ class BatchWorker:
             return
         failed = status >= 400
         results.append(result_line(line["custom_id"], status, body), failed)
-        await self.db.run(lambda s: _mark_done(s, batch_id, number, failed))
+        usage = {} if failed else usage_of(body)
+        await self.db.run(lambda s: _mark_done(s, batch_id, number, failed, usage))
 
     async def _heartbeat(self, row: BatchRow) -> None:
         while not self._stop_reason:
@@ -235,9 +238,10 @@ class BatchWorker:
         logger.info("batch %s %s", batch_id, final or "completed")
 
 
-def _mark_done(s: Session, batch_id: str, number: int, failed: bool) -> None:
+def _mark_done(s: Session, batch_id: str, number: int, failed: bool, usage: dict[str, int]) -> None:
     s.execute(update(BatchLineRow).where(BatchLineRow.batch_id == batch_id, BatchLineRow.line == number)
               .values(done=True, failed=failed))
     counter = BatchRow.failed if failed else BatchRow.completed
-    s.execute(update(BatchRow).where(BatchRow.id == batch_id).values({counter: counter + 1}))
+    sums = {getattr(BatchRow, k): getattr(BatchRow, k) + v for k, v in usage.items() if v}
+    s.execute(update(BatchRow).where(BatchRow.id == batch_id).values({counter: counter + 1, **sums}))
 
