@@ -41,6 +41,9 @@ class EngineArgs:
     # layers kept in the model dtype under an FP8 cache: "0,5,sliding_window" (indices and/or every
     # sliding-window layer), or a list
     kv_cache_dtype_skip_layers: str | list | None = None
+    # KV-cache events over ZeroMQ (vLLM's shape): JSON string or dict {"enable_kv_cache_events": true, "publisher":
+    # "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}; None: off (engine/requests/kv_event_publisher.py)
+    kv_events_config: str | dict | None = None
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
@@ -159,6 +162,10 @@ class EngineArgs:
                             help="KV cache storage: auto = the model dtype; fp8 / fp8_e4m3 = float8 e4m3 (half "
                             "of bf16) with per-layer k/v scales from the checkpoint (k_scale / v_scale) or "
                             "calibrated once on the first batch (amax / 448; later larger values saturate)")
+        parser.add_argument("--kv-events-config", default=None,
+                            help='publish the prefix cache\'s block stored/removed/cleared events over ZeroMQ in '
+                            'vLLM\'s format, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                            '"endpoint": "tcp://*:5557", "topic": "kv-events"}\'')
         parser.add_argument("--kv-cache-dtype-skip-layers", default=None,
                             help="with an FP8 KV cache, layers that keep the model dtype: comma-separated "
                             "layer indices and/or 'sliding_window' (every sliding-window layer)")

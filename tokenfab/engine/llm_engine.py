@@ -17,6 +17,7 @@ from tokenfab.engine.overlap import OverlapScheduler
 from tokenfab.engine.postprocess import Postprocessor
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.errors import raise_if_fatal
+from tokenfab.engine.requests.kv_event_publisher import attach_publisher
 from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
@@ -97,6 +98,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_events = attach_publisher(self.block_manager, args.kv_events_config)  # None: events off
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size
         self.intake = RequestIntake(self.tokenizer, RequestLimits(self.vocab_size, self.max_model_len,
@@ -132,9 +134,12 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any); the engine serves nothing after this."""
+        """Stop the tensor-parallel workers (if any) and the KV-event publisher; the engine serves nothing after
+        this."""
         if self.tp is not None:
             self.tp.shutdown()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

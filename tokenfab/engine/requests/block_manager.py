@@ -11,6 +11,10 @@ Every block has a reference count; a block whose count drops to zero goes to the
 but keeps its digest, so a later request with the same prefix can take it back (a prefix-cache
 hit) until its memory is needed: allocation takes the least recently freed block first (LRU)
 and only then forgets its digest.
+
+Listeners (``event_listeners``) hear what the prefix cache gains and loses, in vLLM's KV-event shapes
+(``kv_events.py``): blocks stored when their digest is registered, removed when it is forgotten, all cleared on a
+reset. The ZeroMQ publisher for ``--kv-events-config`` is one; with none, nothing is built.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from tokenfab.engine.requests.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventListener,
+)
 from tokenfab.engine.requests.sequence import Sequence
 
 _DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
@@ -62,6 +73,11 @@ class BlockManager:
         # counters
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found
+        self.event_listeners: list[KVEventListener] = []
+
+    def _emit(self, event: KVCacheEvent) -> None:
+        for listener in self.event_listeners:
+            listener(event)
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -131,12 +147,31 @@ class BlockManager:
         if n_full <= seq.num_committed_blocks:
             return
         hashes = self._full_block_hashes(seq, n_full * self.block_size)
+        stored: list[int] = []  # indices of the blocks registered now (for the listeners)
         for i in range(seq.num_committed_blocks, n_full):  # only the blocks filled since last time
             block, h = seq.block_table[i], hashes[i]
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+                stored.append(i)
         seq.num_committed_blocks = n_full
+        if stored and self.event_listeners:
+            self._emit_stored(seq, hashes, stored)
+
+    def _emit_stored(self, seq: Sequence, hashes: list[bytes], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive registered blocks (vLLM chains a run to its parent)."""
+        bs = self.block_size
+        lora = seq.lora_request.lora_int_id if seq.lora_request is not None else None
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._emit(BlockStored([hashes[i] for i in run], hashes[first - 1] if first else None,
+                                   list(seq.token_ids[first * bs:(last + 1) * bs]), bs, lora))
 
     # ---- allocation -----------------------------------------------------------------
     def _take(self, block: int) -> None:
@@ -150,6 +185,8 @@ class BlockManager:
         if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.event_listeners:
+                    self._emit(BlockRemoved([h]))
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block
@@ -191,6 +228,7 @@ class BlockManager:
         for block in list(self.cached.values()):
             self.block_hash[block] = None
         self.cached.clear()
+        self._emit(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Assert the internal bookkeeping is consistent (tests and debugging)."""
