@@ -199,7 +199,7 @@ def _conv_update_kernel(
 
 def conv_config(dim: int, width: int) -> dict:
     """Launch configuration (also used by the compile test)."""
-    return dict(BT=32, BD=min(256, next_pow2(dim)), BS=next_pow2(max(width - 1, 1)), num_warps=4)
+    return dict(BT=16, BD=min(128, next_pow2(dim)), BS=next_pow2(max(width - 1, 1)), num_warps=4)
 
 
 def _check(x, weight, bias, conv_state, slot_ids, rows: int, op: str) -> None:

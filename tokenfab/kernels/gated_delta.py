@@ -78,10 +78,11 @@ def _gdn_prefill_kernel(
         gc = tl.cumsum(gl, axis=0)
         g_last = tl.sum(tl.where(rt == BT - 1, gc, 0.0), axis=0)
         diff = gc[:, None] - gc[None, :]
-        kb = k * beta[:, None]
         # A = strictly_lower((beta k) k^T * D); T = (I + A)^-1 row by row: row i of T - I is
-        # -A[i] + sum_j (-A[i, j]) (T - I)[j] (rows j < i already replaced)
-        a = tl.dot(kb, tl.trans(k), input_precision=DOT_PREC)
+        # -A[i] + sum_j (-A[i, j]) (T - I)[j] (rows j < i already replaced). Row scalings are applied to the
+        # narrow side of each product (here: after it), so no scaled copy of a [BT, BK] tile stays live.
+        k = k.to(k_ptr.dtype.element_ty)
+        a = tl.dot(k, tl.trans(k), input_precision=DOT_PREC) * beta[:, None]
         t = -tl.where(strict, a * tl.exp(tl.where(strict, diff, 0.0)), 0.0)
         for i in range(1, BT):
             sel = (rt == i)[:, None]
@@ -91,19 +92,20 @@ def _gdn_prefill_kernel(
         t = t + tl.where(rt[:, None] == rt[None, :], 1.0, 0.0)
         v = tl.load(v_ptr + tok[:, None] * svt + h * svh + cv[None, :], mask=row_ok[:, None] & vmask[None, :],
                     other=0.0).to(tl.float32)
-        u = tl.dot(t, v * beta[:, None], input_precision=DOT_PREC)
-        w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision=DOT_PREC)
-        v_new = u - tl.dot(w, state, input_precision=DOT_PREC)
-        q = _load_qk(q_ptr, tok, row_ok, hk, dk, sqt, sqh, scale, L2NORM, BK)
+        # V' = T (beta v) - T (beta exp(G) k) S = T (beta v - beta exp(G) (k S))
+        ks = tl.dot(k, state.to(k.dtype), input_precision=DOT_PREC)
+        v_new = tl.dot(t.to(k.dtype), ((v - tl.exp(gc)[:, None] * ks) * beta[:, None]).to(k.dtype),
+                       input_precision=DOT_PREC)
+        q = _load_qk(q_ptr, tok, row_ok, hk, dk, sqt, sqh, scale, L2NORM, BK).to(k.dtype)
         lower = rt[:, None] >= rt[None, :]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         qk = tl.where(lower, qk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=DOT_PREC)
-        o = o + tl.dot(qk, v_new, input_precision=DOT_PREC)
+        o = tl.dot(q, state.to(k.dtype), input_precision=DOT_PREC) * tl.exp(gc)[:, None]
+        o = o + tl.dot(qk.to(k.dtype), v_new.to(k.dtype), input_precision=DOT_PREC)
         tl.store(o_ptr + tok[:, None] * sot + h * soh + cv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & vmask[None, :])
-        k_dec = k * tl.exp(g_last - gc)[:, None]
-        state = state * tl.exp(g_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PREC)
+        v_dec = v_new * tl.exp(g_last - gc)[:, None]
+        state = state * tl.exp(g_last) + tl.dot(tl.trans(k), v_dec.to(k.dtype), input_precision=DOT_PREC)
     tl.store(s_blk, state, mask=smask)
 
 
