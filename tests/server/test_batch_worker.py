@@ -143,3 +143,21 @@ def test_engine_503_leaves_the_line_pending_and_a_live_lease_is_kept(tmp_path, m
         db.close()
 
     asyncio.run(main())
+
+
+def test_an_unreadable_input_fails_the_batch_not_the_worker(tmp_path):
+    async def main() -> None:
+        db, files, batches, config = _setup(tmp_path)
+        batch_id = await _create(files, batches, ["a"])
+        for path in (tmp_path / "files").iterdir():  # the input's bytes gone from under the store
+            path.unlink()
+        worker = BatchWorker(db, files, CountingRunner(), config)  # type: ignore[arg-type]
+        worker.start()
+        batch = await _until(batches, batch_id, lambda b: b["status"] == "failed")
+        second = await _create(files, batches, ["b"])  # the worker goes on with the next batch
+        assert (await _until(batches, second, lambda b: b["status"] == "completed"))["request_counts"]["completed"] == 1
+        await worker.stop()
+        assert batch["errors"]["data"][0]["code"] == "input_file_unreadable"
+        db.close()
+
+    asyncio.run(main())

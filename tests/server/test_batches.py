@@ -32,6 +32,8 @@ def batch_server(served, tmp_path_factory) -> Iterator[LiveServer]:
     server = LiveServer(app, lifespan="off")
     yield server
     server.stop()
+    app.state.server.close()
+    app.state.batches.db.close()
 
 
 @pytest.fixture(scope="module")

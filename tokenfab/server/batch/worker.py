@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from tokenfab.server.batch.dispatch import LineRunner
 from tokenfab.server.batch.files import FileStore
 from tokenfab.server.batch.results import ResultFiles, result_line, usage_of
 from tokenfab.server.batch.validation import read_lines
+from tokenfab.server.errors import APIError
 
 logger = logging.getLogger("tokenfab.server.batch")
 RETRY_SECONDS = 0.5  # a full engine queue (429): the line waits and tries again
@@ -42,7 +44,7 @@ class BatchWorker:
         self.owner = uuid.uuid4().hex
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._stop_reason: str | None = None  # of the running batch: cancel, expired, lost, engine
+        self._stop_reason: str | None = None  # of the running batch: cancel, expired, lost, engine, failed
         self._current: str | None = None
 
     @property
@@ -113,7 +115,7 @@ class BatchWorker:
             await asyncio.to_thread(results.close)
             self._current = None
         reason = self._stop_reason
-        if reason in ("lost", "engine"):
+        if reason in ("lost", "engine", "failed"):
             if reason == "engine":
                 await self.db.run(functools.partial(self._release, batch_id))
                 await asyncio.sleep(ENGINE_RETRY_SECONDS)
@@ -148,12 +150,18 @@ class BatchWorker:
     async def _execute(self, row: BatchRow, results: ResultFiles) -> None:
         pending = set(await self.db.run(lambda s: list(s.scalars(select(BatchLineRow.line).where(
             BatchLineRow.batch_id == row.id, BatchLineRow.done.is_(False))))))
-        source = await self.files.get(row.input_file_id)
-        lines = await asyncio.to_thread(lambda: [(n, raw) for n, raw in read_lines(self.files.path_of(source))
-                                                 if n in pending])
+        try:
+            source = await self.files.get(row.input_file_id)
+            todo = (item for item in read_lines(self.files.path_of(source)) if item[0] in pending)
+            first = next(todo, None)  # the file opens here: a missing one fails the batch, not the worker
+        except (APIError, OSError) as e:
+            self._stop_reason = "failed"
+            message = f"the input file cannot be read: {e}"
+            await self.db.run(lambda s: _fail(s, row.id, message))
+            return
+        todo = itertools.chain([first] if first is not None else [], todo)
         beat = asyncio.create_task(self._heartbeat(row))
         tasks: set[asyncio.Task] = set()
-        todo = iter(lines)
         try:
             while not self._stop_reason:
                 while len(tasks) < self.config.concurrency and (item := next(todo, None)) is not None:
@@ -236,6 +244,13 @@ class BatchWorker:
 
         await self.db.run(end)
         logger.info("batch %s %s", batch_id, final or "completed")
+
+
+def _fail(s: Session, batch_id: str, message: str) -> None:
+    row = s.get(BatchRow, batch_id)
+    assert row is not None
+    row.status, row.failed_at, row.owner, row.heartbeat_at = "failed", int(time.time()), None, None
+    row.errors = [{"code": "input_file_unreadable", "message": message, "param": "input_file_id", "line": None}]
 
 
 def _mark_done(s: Session, batch_id: str, number: int, failed: bool, usage: dict[str, int]) -> None:
