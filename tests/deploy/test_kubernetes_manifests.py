@@ -14,15 +14,17 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from tests.deploy.manifests import CRD_SCHEMAS, DEPLOY, crd_validator, find, objects, render_module, values
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeStats
 from tokenfab.cli import build_parser
 from tokenfab.distributed import admission
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server import wait_idle
 from tokenfab.server.app import ServerConfig, build_app
+from tokenfab.server.metrics import ServerMetrics
 
 # 1.30: the first release with the preStop `sleep` action on by default (beta); 1.37: kubernetes-validate's newest
 K8S_VERSIONS = ("1.30.0", "1.37.0")
@@ -261,3 +263,15 @@ def test_envsubst_renders_what_render_py_renders():
         text = (DEPLOY / name).read_text()
         out = subprocess.run(["envsubst"], input=text, env=env, capture_output=True, text=True, check=True).stdout
         assert out == render_module.substitute(text, values(), name)
+
+
+def test_the_series_the_hpa_and_the_endpoint_picker_read_are_served():
+    """The adapter rule's series and the three that llm-d's endpoint picker (v0.10.0's core metrics extractor)
+    reads for queue and KV-cache scoring, as tokenfab's /metrics renders them."""
+    stats = FakeStats(num_running=2, kv_cache_usage=0.25)
+    text = ServerMetrics("m", stats=lambda: stats, waiting=lambda: 3).render().decode()
+    served = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    adapter = yaml.safe_load((DEPLOY / "prometheus-adapter-values.yaml").read_text())
+    series = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{", adapter["rules"]["custom"][0]["seriesQuery"]).group(1)
+    assert served[series] == 3
+    assert served["vllm:num_requests_running"] == 2 and served["vllm:kv_cache_usage_perc"] == 0.25
