@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.server.postgres import postgres_url
 from tokenfab.server.batch import worker as worker_module
@@ -161,3 +164,12 @@ def test_an_unreadable_input_fails_the_batch_not_the_worker(tmp_path):
         db.close()
 
     asyncio.run(main())
+
+
+def test_a_database_with_an_older_schema_is_refused_at_start(tmp_path):
+    con = sqlite3.connect(tmp_path / "old.db")
+    con.execute("CREATE TABLE tokenfab_files (id VARCHAR(64) PRIMARY KEY)")
+    con.commit()
+    con.close()
+    with pytest.raises(RuntimeError, match="older schema"):
+        Database(f"sqlite:///{tmp_path / 'old.db'}")

@@ -25,6 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    inspect,
 )
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -91,6 +92,17 @@ class BatchLineRow(Base):
     failed: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+def _check_schema(engine: Any) -> None:
+    """A database made by an older tokenfab (a column missing) is refused at start, not at the first query."""
+    inspector = inspect(engine)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        missing = [c.name for c in table.columns if c.name not in have]
+        if missing:
+            raise RuntimeError(f"the batch database {engine.url!r} has an older schema (table {table.name} lacks "
+                               f"{', '.join(missing)}): point --data-dir/--database-url elsewhere or migrate it")
+
+
 def _sqlite_wal(connection: Any, _record: Any) -> None:
     """SQLite in write-ahead-log mode: readers (other API servers, list calls) do not wait for a writer."""
     cursor = connection.cursor()
@@ -116,6 +128,7 @@ class Database:
                 if attempt == 4:
                     raise
                 time.sleep(0.2 * (attempt + 1))
+        _check_schema(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-db")
 
