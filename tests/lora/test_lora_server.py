@@ -69,6 +69,7 @@ def test_model_picks_the_adapter(live):
         assert comp.choices[0].text == refs[m][0], m
         assert chat.choices[0].message.content == refs[m][1], m
         assert resp.output_text == refs[m][1], m
+        assert comp.model == chat.model == resp.model == (m or "base")  # the adapter's name, as vLLM answers
 
 
 def test_models_lists_adapters_with_parent(live):
@@ -137,3 +138,12 @@ def test_unknown_adapter_and_not_enabled(live, lora_chat_setup):
             assert http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}).status_code == 404
     finally:
         plain.stop()
+
+
+def test_streamed_chat_with_an_adapter(live):
+    server, _, refs = live
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(model="x", messages=CHAT, max_tokens=N_NEW, temperature=0.0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == refs["x"][1]
+    assert {c.model for c in chunks} == {"x"}

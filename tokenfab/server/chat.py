@@ -59,7 +59,7 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
                         "stop_reason": last.stop_reason})
     response = {
-        "id": request_id, "object": "chat.completion", "created": created, "model": server.model_name,
+        "id": request_id, "object": "chat.completion", "created": created, "model": body.model or server.model_name,
         "choices": choices, "usage": usage(num_prompt, completion_tokens, finals),
         "system_fingerprint": None,
     }
@@ -74,7 +74,7 @@ async def _chat_stream(server: OpenAIServer, body: ChatCompletionRequest, stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": server.model_name}
+            "model": body.model or server.model_name}
     completion_tokens = 0
     generated = [0] * stream.num_choices
     finals: dict[int, list[StreamChunk]] = {}

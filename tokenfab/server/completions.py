@@ -62,7 +62,7 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
         choices.append(choice)
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
     return JSONResponse({
-        "id": request_id, "object": "text_completion", "created": created, "model": server.model_name,
+        "id": request_id, "object": "text_completion", "created": created, "model": body.model or server.model_name,
         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, finals),
         "system_fingerprint": None,
     })
@@ -77,7 +77,7 @@ async def _completion_stream(server: OpenAIServer, body: CompletionRequest, stre
     started = [False] * stream.num_choices
     completion_tokens = 0
     finals: dict[int, list[StreamChunk]] = {}
-    base = {"id": request_id, "object": "text_completion", "created": created, "model": server.model_name}
+    base = {"id": request_id, "object": "text_completion", "created": created, "model": body.model or server.model_name}
     async for chunk in stream:
         i = chunk.index
         p_idx = chunk.prompt_index

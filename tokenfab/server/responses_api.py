@@ -110,7 +110,7 @@ class ResponsesAPI:
         return {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.server.model_name, "output": [],
+            "max_output_tokens": body.max_output_tokens, "model": body.model or self.server.model_name, "output": [],
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": body.reasoning.summary if body.reasoning else None},
