@@ -7,12 +7,13 @@ from __future__ import annotations
 import random
 import time
 
-import msgspec
 import pytest
 import zmq
 
 from tests.tiny_models import run_batch, small_engine
 from tokenfab.engine.requests.kv_event_publisher import KVEventsConfig
+
+msgspec = pytest.importorskip("msgspec", reason="the decoder is written with msgspec, as vLLM's (pip install msgspec)")
 
 BLOCK = 4  # small_engine's block size
 
