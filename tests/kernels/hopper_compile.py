@@ -37,7 +37,7 @@ def _paged(b: int, hq: int, hkv: int, d: int, ctx: int, dtype: torch.dtype, bs: 
 
 
 def _workloads() -> list[tuple[str, Callable[[], None]]]:
-    from tokenfab.kernels import activation, attention, kv_cache, norm, rope, sampling
+    from tokenfab.kernels import activation, attention, kv_cache, lora, norm, rope, sampling
 
     def rms(t, h, dtype, residual=False):
         x = torch.randn(t, h, dtype=dtype)
@@ -125,6 +125,10 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         sampling._sample_triton(torch.randn(b, v, dtype=dtype), torch.ones(b), torch.full((b,), 50),
                                 torch.full((b,), 0.9), torch.zeros(b), torch.arange(b))
 
+    def lora_delta(t, k, n, r, s, dtype):  # multi-LoRA's gathered shrink/expand
+        lora._lora_delta_triton(torch.randn(t, k, dtype=dtype), torch.randint(-1, s, (t,), dtype=torch.int32),
+                                torch.randn(s, r, k, dtype=dtype), torch.randn(s, n, r, dtype=dtype))
+
     return [
         ("rms_norm bf16 [257, 4096]", lambda: rms(257, 4096, BF16)),
         ("rms_norm bf16 [257, 1024]", lambda: rms(257, 1024, BF16)),
@@ -187,6 +191,8 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
         ("silu_and_mul_train bf16 [8192, 14336]", lambda: act_train(8192, 14336, BF16, "silu")),
         ("gelu_and_mul_train bf16 tanh [8192, 9216]", lambda: act_train(8192, 9216, BF16, "gelu_tanh")),
         ("gelu_and_mul_train fp32 erf [2048, 1536]", lambda: act_train(2048, 1536, F32, "gelu")),
+        ("lora_delta bf16 T64 4096->4096 r16 8 adapters", lambda: lora_delta(64, 4096, 4096, 16, 8, BF16)),
+        ("lora_delta fp32 T37 576->192 r8 4 adapters", lambda: lora_delta(37, 576, 192, 8, 4, F32)),
     ]
 
 
@@ -198,6 +204,7 @@ def kernel_modules() -> list:
         attention_decode,
         attention_prefill,
         kv_cache,
+        lora,
         loss,
         moe_train,
         norm,
@@ -208,7 +215,7 @@ def kernel_modules() -> list:
         sampling,
     )
 
-    return [activation, activation_train, attention_decode, attention_prefill, kv_cache, loss, moe_train, norm,
+    return [activation, activation_train, attention_decode, attention_prefill, kv_cache, lora, loss, moe_train, norm,
             norm_train, paged, rope, rope_train, sampling]
 
 
@@ -222,7 +229,7 @@ QUICK = ("rms_norm bf16 [257, 4096]", "rms_norm bf16 [37, 16384]", "add_rms_norm
          "prefill bf16 8/4 d256 softcap+window", "prefill fp32 32/8 d128", "sample fp32",
          "flce rows bf16 [2048, 128256] smoothing+z", "grouped gemm train bf16 qwen3-30b-a3b gate_up",
          "grouped gemm train fp32", "rms_norm_train bf16 [2048, 16384]", "rope_train bf16",
-         "silu_and_mul_train bf16", "gelu_and_mul_train fp32 erf")
+         "silu_and_mul_train bf16", "gelu_and_mul_train fp32 erf", "lora_delta bf16")
 
 
 def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:

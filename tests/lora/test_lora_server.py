@@ -4,6 +4,7 @@ with their error statuses and OpenAI error bodies."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import httpx
@@ -12,9 +13,12 @@ import pytest
 
 from tests.lora.adapters import merged_greedy
 from tests.server.conftest import LiveServer
+from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.server.app import ServerConfig, build_app
+from tokenfab.server.cli import add_arguments
+from tokenfab.server.lora_registry import parse_lora_module
 
 pytest.importorskip("peft")
 
@@ -147,3 +151,17 @@ def test_streamed_chat_with_an_adapter(live):
                                                  stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == refs["x"][1]
     assert {c.model for c in chunks} == {"x"}
+
+
+def test_cli_flags_and_lora_module_forms():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["m", "--enable-lora", "--lora-modules", "a=/p/a", '{"name": "b", "path": "/p/b", '
+                              '"base_model_name": "m"}', "--max-loras", "4", "--max-lora-rank", "64",
+                              "--max-cpu-loras", "8"])
+    ea = EngineArgs.from_cli_args(args)
+    assert (ea.enable_lora, ea.max_loras, ea.max_lora_rank, ea.max_cpu_loras) == (True, 4, 64, 8)
+    assert [parse_lora_module(s) for s in ea.lora_modules] == [("a", "/p/a", None), ("b", "/p/b", "m")]
+    for bad in ("noequals", "=path", "name=", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}', "{bad"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
