@@ -156,3 +156,13 @@ def test_prompt_logprobs_equal_peft_merged(lora_setup):
         want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
         mine = [got[rid][i][prompt[i]].logprob for i in range(1, len(prompt))]
         assert mine == pytest.approx(want, abs=1e-4), rid
+
+
+def test_mixed_batch_through_the_triton_kernels(lora_setup, references, monkeypatch):
+    """TOKENFAB_KERNELS=triton: every op of the step, lora_delta included, through the Triton kernels (the
+    interpreter on CPU); the same greedy tokens as PEFT merged."""
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    base_dir, _, adapters = lora_setup
+    engine = _engine(base_dir, cpu_weight_packing=False)
+    jobs = [(PROMPTS[3], None), (PROMPTS[3], _req(adapters, "x", 1)), (PROMPTS[1], _req(adapters, "y", 2))]
+    assert _run(engine, jobs) == [references[None][3], references["x"][3], references["y"][1]]
