@@ -191,20 +191,6 @@ def test_registered_ops_and_checks(gen, monkeypatch):
     assert not torch.equal(results[0][2], state)
 
 
-def test_fla_naive_agrees(gen):
-    """fla-core's naive recurrent gated delta rule (an outside reference, when fla-core is installed) agrees with
-    ours (fla takes normalised q/k and the scale as arguments)."""
-    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
-    q, k, v, g, beta, _, state = _inputs(gen, [70], 2, 2, 16, 16)
-    qn, kn = ref.l2norm_ref(q), ref.l2norm_ref(k)
-    o_fla, s_fla = naive.naive_recurrent_gated_delta_rule(qn[None], kn[None], v[None], beta[None], g[None],
-                                                          scale=16**-0.5, initial_state=state[1][None],
-                                                          output_final_state=True)
-    o, s = ref.chunk_ref(q, k, v, g, beta, state[1], 16**-0.5, True)
-    assert_close(o, o_fla[0].float())
-    assert_close(s, s_fla[0].float())
-
-
 @pytest.fixture(scope="module", params=[
     pytest.param([("gated_delta_hopper_compile.py", ("--quick",))], id="quick"),
     pytest.param([("gated_delta_hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
@@ -212,9 +198,17 @@ def hopper_runs(request) -> list:
     return request.param
 
 
+PREFILL_KERNELS = ("_gdn_chunk_state_kernel", "_gdn_chunk_output_kernel")
+
+
+def _fp32_prefill(r: dict) -> bool:
+    return r["kernel"] in PREFILL_KERNELS and "fp32" in r["workload"]
+
+
 def test_hopper_compile(hopper_batch, hopper_runs):
     """Every kernel of gated_delta.py and causal_conv1d.py compiles for sm_90 at Qwen3-Next sizes; the prefill's
-    16-bit products are warp-group MMAs; no spills, registers and shared memory within budget."""
+    16-bit products are warp-group MMAs; no spills, registers and shared memory within budget (all but the float32
+    prefill: the next test)."""
     from triton.runtime.jit import JITFunction
 
     from tests.kernels.gated_delta_hopper_compile import kernel_modules
@@ -223,12 +217,16 @@ def test_hopper_compile(hopper_batch, hopper_runs):
     defined = {name for mod in kernel_modules() for name, obj in vars(mod).items()
                if isinstance(obj, JITFunction) and name.endswith("_kernel")}
     assert defined <= {r["kernel"] for r in records}
-    assert all(r["hgmma"] > 0 for r in records if r["kernel"] == "_gdn_prefill_kernel" and "bf16" in r["workload"])
-    assert_fits_hopper([r for r in records if r["kernel"] != "_gdn_prefill_kernel"])
+    bf16_prefill = [r for r in records if r["kernel"] in PREFILL_KERNELS and "bf16" in r["workload"]]
+    assert {r["kernel"] for r in bf16_prefill} == set(PREFILL_KERNELS)
+    assert all(r["hgmma"] > 0 for r in bf16_prefill)
+    assert_fits_hopper([r for r in records if not _fp32_prefill(r)])
 
 
-@pytest.mark.xfail(strict=True, reason="the prefill kernel spills (stack 208 B bf16, ~9 KB fp32 at BV=32, 8 warps): "
-                                      "to be split into phases (issue 29)")
-def test_hopper_compile_prefill_no_spills(hopper_batch, hopper_runs):
-    records = hopper_batch(hopper_runs)
-    assert_fits_hopper([r for r in records if r["kernel"] == "_gdn_prefill_kernel"])
+@pytest.mark.xfail(strict=True, reason="float32 prefill on sm_90 spills: the exact (ieee) float32 products are "
+                                      "unrolled FMAs and ptxas keeps 32 registers (stack 6.5 KB state pass, 15 KB "
+                                      "output pass; triton 3.9); bf16/fp16, the serving dtypes, fit (issue 29)")
+def test_hopper_compile_fp32_prefill_no_spills(hopper_batch, hopper_runs):
+    records = [r for r in hopper_batch(hopper_runs) if _fp32_prefill(r)]
+    assert records
+    assert_fits_hopper(records)

@@ -37,15 +37,17 @@ def _load_qk(ptr, tok, row_ok, head, dk, st, sh, scale, L2NORM: tl.constexpr, BK
 
 
 @triton.jit
-def _gdn_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, cu_ptr, slot_ptr, init_ptr,
-    scale, group, dk, dv,
-    sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh, sot, soh, ss0, ss1, ss2,
+def _gdn_chunk_state_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, h_ptr, vn_ptr, cu_ptr, slot_ptr, init_ptr, coff_ptr,
+    group, dk, dv,
+    skt, skh, svt, svh, sgt, sgh, sbt, sbh, ss0, ss1, ss2, sh0, sh1, sh2, snt, snh,
     HAS_INIT: tl.constexpr, L2NORM: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Program (value block, value head, sequence): the sequence's chunks in order (gated_delta_ref's chunk form).
-    Rows past the sequence's end load k = v = q = 0, g = beta = 0: they change neither the state nor the outputs."""
+    """Pass 1, program (value block, value head, sequence): the sequence's chunks in order (gated_delta_ref's
+    chunk form), writing each chunk's starting state to ``h`` and its corrected values V' to ``vn`` (both in the
+    dtype the output pass multiplies them in), the final state to the slot. Rows past the sequence's end load
+    k = v = 0, g = beta = 0: they change nothing."""
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -54,6 +56,7 @@ def _gdn_prefill_kernel(
         return
     bos = tl.load(cu_ptr + n).to(tl.int64)
     seq_len = (tl.load(cu_ptr + n + 1) - bos).to(tl.int32)
+    chunk0 = tl.load(coff_ptr + n).to(tl.int64)
     hk = h // group
     rk = tl.arange(0, BK)
     cv = pid_v * BV + tl.arange(0, BV)
@@ -72,18 +75,18 @@ def _gdn_prefill_kernel(
         rows = c * BT + rt
         row_ok = rows < seq_len
         tok = bos + rows
-        k = _load_qk(k_ptr, tok, row_ok, hk, dk, skt, skh, 1.0, L2NORM, BK)
+        tl.store(h_ptr + (chunk0 + c) * sh0 + h * sh1 + rk[:, None] * sh2 + cv[None, :],
+                 state.to(h_ptr.dtype.element_ty), mask=smask)
+        k = _load_qk(k_ptr, tok, row_ok, hk, dk, skt, skh, 1.0, L2NORM, BK).to(k_ptr.dtype.element_ty)
         gl = tl.load(g_ptr + tok * sgt + h * sgh, mask=row_ok, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + tok * sbt + h * sbh, mask=row_ok, other=0.0).to(tl.float32)
         gc = tl.cumsum(gl, axis=0)
         g_last = tl.sum(tl.where(rt == BT - 1, gc, 0.0), axis=0)
-        diff = gc[:, None] - gc[None, :]
         # A = strictly_lower((beta k) k^T * D); T = (I + A)^-1 row by row: row i of T - I is
         # -A[i] + sum_j (-A[i, j]) (T - I)[j] (rows j < i already replaced). Row scalings are applied to the
-        # narrow side of each product (here: after it), so no scaled copy of a [BT, BK] tile stays live.
-        k = k.to(k_ptr.dtype.element_ty)
+        # narrow side of each product, so no scaled copy of a [BT, BK] tile stays live.
         a = tl.dot(k, tl.trans(k), input_precision=DOT_PREC) * beta[:, None]
-        t = -tl.where(strict, a * tl.exp(tl.where(strict, diff, 0.0)), 0.0)
+        t = -tl.where(strict, a * tl.exp(tl.where(strict, gc[:, None] - gc[None, :], 0.0)), 0.0)
         for i in range(1, BT):
             sel = (rt == i)[:, None]
             row = tl.sum(tl.where(sel, t, 0.0), axis=0)
@@ -96,17 +99,52 @@ def _gdn_prefill_kernel(
         ks = tl.dot(k, state.to(k.dtype), input_precision=DOT_PREC)
         v_new = tl.dot(t.to(k.dtype), ((v - tl.exp(gc)[:, None] * ks) * beta[:, None]).to(k.dtype),
                        input_precision=DOT_PREC)
-        q = _load_qk(q_ptr, tok, row_ok, hk, dk, sqt, sqh, scale, L2NORM, BK).to(k.dtype)
-        lower = rt[:, None] >= rt[None, :]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        qk = tl.where(lower, qk * tl.exp(tl.where(lower, diff, 0.0)), 0.0)
-        o = tl.dot(q, state.to(k.dtype), input_precision=DOT_PREC) * tl.exp(gc)[:, None]
-        o = o + tl.dot(qk.to(k.dtype), v_new.to(k.dtype), input_precision=DOT_PREC)
-        tl.store(o_ptr + tok[:, None] * sot + h * soh + cv[None, :], o.to(o_ptr.dtype.element_ty),
+        tl.store(vn_ptr + tok[:, None] * snt + h * snh + cv[None, :], v_new.to(vn_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & vmask[None, :])
         v_dec = v_new * tl.exp(g_last - gc)[:, None]
         state = state * tl.exp(g_last) + tl.dot(tl.trans(k), v_dec.to(k.dtype), input_precision=DOT_PREC)
     tl.store(s_blk, state, mask=smask)
+
+
+@triton.jit
+def _gdn_chunk_output_kernel(
+    q_ptr, k_ptr, g_ptr, o_ptr, h_ptr, vn_ptr, cu_ptr, slot_ptr, coff_ptr, cseq_ptr,
+    scale, group, dk, dv,
+    sqt, sqh, skt, skh, sgt, sgh, sot, soh, sh0, sh1, sh2, snt, snh,
+    L2NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Pass 2, program (value block, value head, chunk of the batch), all independent:
+    O = (exp(G) q) S_chunk + (lower(q k^T * D)) V'."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    chunk = tl.program_id(2).to(tl.int64)
+    n = tl.load(cseq_ptr + chunk)
+    if tl.load(slot_ptr + n) < 0:
+        return
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    seq_len = (tl.load(cu_ptr + n + 1) - bos).to(tl.int32)
+    c = (chunk - tl.load(coff_ptr + n)).to(tl.int32)
+    hk = h // group
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    cv = pid_v * BV + tl.arange(0, BV)
+    vmask = cv < dv
+    rows = c * BT + rt
+    row_ok = rows < seq_len
+    tok = bos + rows
+    q = _load_qk(q_ptr, tok, row_ok, hk, dk, sqt, sqh, scale, L2NORM, BK).to(k_ptr.dtype.element_ty)
+    k = _load_qk(k_ptr, tok, row_ok, hk, dk, skt, skh, 1.0, L2NORM, BK).to(k_ptr.dtype.element_ty)
+    gc = tl.cumsum(tl.load(g_ptr + tok * sgt + h * sgh, mask=row_ok, other=0.0).to(tl.float32), axis=0)
+    lower = rt[:, None] >= rt[None, :]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    qk = tl.where(lower, qk * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    vmask2 = row_ok[:, None] & vmask[None, :]
+    v_new = tl.load(vn_ptr + tok[:, None] * snt + h * snh + cv[None, :], mask=vmask2, other=0.0)
+    s = tl.load(h_ptr + chunk * sh0 + h * sh1 + rk[:, None] * sh2 + cv[None, :],
+                mask=(rk < dk)[:, None] & vmask[None, :], other=0.0)
+    o = tl.dot(q, s, input_precision=DOT_PREC) * tl.exp(gc)[:, None]
+    o = o + tl.dot(qk.to(v_new.dtype), v_new, input_precision=DOT_PREC)
+    tl.store(o_ptr + tok[:, None] * sot + h * soh + cv[None, :], o.to(o_ptr.dtype.element_ty), mask=vmask2)
 
 
 @triton.jit
@@ -150,9 +188,11 @@ def _gdn_decode_kernel(
 
 
 def prefill_config(dk: int, dv: int) -> dict:
-    """Launch configuration of the prefill kernel (also used by the compile test)."""
+    """Launch configurations of the prefill's two passes (also used by the compile test)."""
     bk = next_pow2(max(dk, 16))
-    return dict(BT=CHUNK, BK=bk, BV=min(32, next_pow2(max(dv, 16))), num_warps=8 if bk >= 128 else 4, num_stages=1)
+    bv = next_pow2(max(dv, 16))
+    return dict(state=dict(BT=CHUNK, BK=bk, BV=min(32, bv), num_warps=8 if bk >= 128 else 4, num_stages=1),
+                output=dict(BT=CHUNK, BK=bk, BV=min(64, bv), num_warps=4, num_stages=2))
 
 
 def decode_config(dk: int, dv: int) -> dict:
@@ -209,15 +249,33 @@ def _gated_delta_prefill_triton(
     if st.stride(-1) != 1:
         raise ValueError("gated_delta_prefill: the state's last dim must be contiguous")
     cfg = prefill_config(dk, dv)
-    grid = (triton.cdiv(dv, cfg["BV"]), hv, n)
     init = has_state.to(torch.int32) if has_state is not None else slot_ids  # (bool masks trip the interpreter)
-    _gdn_prefill_kernel[grid](
-        q, k, v, g, beta, out, st, cu_seqlens, slot_ids, init,
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    n_chunks = (lens + CHUNK - 1) // CHUNK
+    chunk_off = torch.zeros(n + 1, dtype=torch.int32, device=v.device)
+    chunk_off[1:] = n_chunks.cumsum(0)
+    total = int(chunk_off[-1])
+    chunk_seq = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=v.device), n_chunks)
+    # each chunk's starting state and V', in the dtype the output pass multiplies them in (16-bit or float32)
+    work = k.dtype if k.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    h = torch.empty(total, hv, dk, dv, dtype=work, device=v.device)
+    vn = torch.empty(t, hv, dv, dtype=work, device=v.device)
+    prec = dot_precision(v.dtype)
+    c1 = cfg["state"]
+    _gdn_chunk_state_kernel[(triton.cdiv(dv, c1["BV"]), hv, n)](
+        k, v, g, beta, st, h, vn, cu_seqlens, slot_ids, init, chunk_off,
+        hv // hk, dk, dv,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1), h.stride(2), vn.stride(0), vn.stride(1),
+        HAS_INIT=has_state is not None, L2NORM=use_qk_l2norm, DOT_PREC=prec, **c1,
+    )
+    c2 = cfg["output"]
+    _gdn_chunk_output_kernel[(triton.cdiv(dv, c2["BV"]), hv, total)](
+        q, k, g, out, h, vn, cu_seqlens, slot_ids, chunk_off, chunk_seq,
         scale, hv // hk, dk, dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        st.stride(0), st.stride(1), st.stride(2),
-        HAS_INIT=has_state is not None, L2NORM=use_qk_l2norm, DOT_PREC=dot_precision(v.dtype), **cfg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
+        h.stride(0), h.stride(1), h.stride(2), vn.stride(0), vn.stride(1),
+        L2NORM=use_qk_l2norm, DOT_PREC=prec, **c2,
     )
     return out
 
