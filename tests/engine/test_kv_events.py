@@ -1,5 +1,5 @@
 """KV-cache events (``--kv-events-config``) read by a ZeroMQ SUB socket and decoded with msgspec structs written
-from vLLM's format (``vllm/distributed/kv_events.py``: tagged array-like structs in an array-like batch), then
+from vLLM's format (``vllm/distributed/kv_events.py``: events as maps tagged by ``type`` in an array-like batch), then
 matched to the blocks the engine's prefix cache holds."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ msgspec = pytest.importorskip("msgspec", reason="the decoder is written with msg
 BLOCK = 4  # small_engine's block size
 
 
-# vLLM's event types, written from its format (array_like: fields in order; tag=True: the class name first)
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+# vLLM's event types, written from its current format (the batch array-like; events maps tagged by "type")
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -30,6 +30,9 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -1,6 +1,8 @@
 """KV-cache events: what the block manager's prefix cache tells the fleet (a precise prefix-aware router, llm-d's
 KV indexer) about which blocks this replica holds. The shapes and names are vLLM's (``vllm/distributed/
-kv_events.py``), so vLLM's subscribers decode ours:
+kv_events.py``, the current layout: each event a msgspec-tagged map ``{"type": "BlockStored", ...}`` inside an
+array-like batch; older vLLM releases encoded events as tagged arrays, which vllm-router 0.1.17 refuses with "KV
+event must be a tagged map"), so vLLM's subscribers and vllm-router's ``kv_aware`` index decode ours:
 
 - ``BlockStored``: full blocks that became reusable (prefix-cached), with the digest of each, the digest of the
   block before the first (None at the start of a sequence), their tokens, the block size, the LoRA id, the medium;
@@ -30,11 +32,13 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM
+    lora_name: str | None = None
 
-    def wire(self) -> list[Any]:
-        """vLLM's msgpack layout: a tagged array (msgspec ``tag=True, array_like=True``), fields in order."""
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                self.lora_id, self.medium]
+    def wire(self) -> dict[str, Any]:
+        """vLLM's msgpack layout: a map tagged by ``type`` (msgspec ``tag=True``; fields with defaults omitted)."""
+        return {"type": "BlockStored", "block_hashes": self.block_hashes, "parent_block_hash": self.parent_block_hash,
+                "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": self.lora_id,
+                "medium": self.medium, "lora_name": self.lora_name}
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,14 @@ class BlockRemoved:
     block_hashes: list[bytes]
     medium: str | None = MEDIUM
 
-    def wire(self) -> list[Any]:
-        return ["BlockRemoved", self.block_hashes, self.medium]
+    def wire(self) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    def wire(self) -> list[Any]:
-        return ["AllBlocksCleared"]
+    def wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
