@@ -144,3 +144,22 @@ def test_registered_ops_and_checks(gen, monkeypatch):
     for a, b in zip(*results):
         assert_close(a, b)
     assert not torch.equal(results[0][2], state)
+
+
+def test_opcheck_and_eager_entry_points(gen):
+    """torch.library.opcheck (schema, fake, declared mutation of the state) on both ops; the eager entry points
+    (tokenfab.kernels.causal_conv1d_*) give the reference's results."""
+    import tokenfab.kernels as kernels
+
+    d = 8
+    x, w, b = torch.randn(5, d, generator=gen), torch.randn(d, W, generator=gen), torch.randn(d, generator=gen)
+    state = torch.randn(3, d, W - 1, generator=gen)
+    cu, slots = _batch([3, 2]), torch.tensor([2, 0], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tokenfab.causal_conv1d_prefill.default,
+                          (x, w, b, cu, state.clone(), slots, torch.tensor([True, False]), True))
+    torch.library.opcheck(torch.ops.tokenfab.causal_conv1d_update.default, (x[:2], w, None, state.clone(), slots,
+                                                                            False))
+    s1, s2 = state.clone(), state.clone()
+    assert_close(kernels.causal_conv1d_update(x[:2], w, b, s1, slots, True),
+                 cc.causal_conv1d_update_ref(x[:2], w, b, s2, slots, True))
+    assert torch.equal(s1, s2)

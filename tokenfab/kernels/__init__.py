@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenfab.kernels import activation, attention, dsa, kv_cache, mla, norm, rope, sampling
+from tokenfab.kernels import activation, attention, causal_conv1d, dsa, gated_delta, kv_cache, mla, norm, rope, sampling
 from tokenfab.kernels._dispatch import backend, choose, eager_op
 from tokenfab.kernels.activation_train import gelu_and_mul_train, silu_and_mul_train
 from tokenfab.kernels.cpu import elementwise as native
@@ -31,6 +31,11 @@ mla_attention = eager_op(mla.mla_attention, mla.mla_attention_ref)
 store_latent = eager_op(mla.store_latent, mla.store_latent_ref)
 dsa_topk_indices = eager_op(dsa.dsa_topk_indices, dsa.dsa_topk_indices_ref)
 dsa_sparse_attention = eager_op(dsa.dsa_sparse_attention, dsa.dsa_sparse_attention_ref)
+# Gated DeltaNet (Qwen3-Next / Qwen3.5 linear-attention layers; no model calls them yet)
+gated_delta_prefill = eager_op(gated_delta.gated_delta_prefill, gated_delta.prefill_reference)
+gated_delta_decode = eager_op(gated_delta.gated_delta_decode, gated_delta.decode_reference)
+causal_conv1d_prefill = eager_op(causal_conv1d.causal_conv1d_prefill, causal_conv1d.prefill_reference)
+causal_conv1d_update = eager_op(causal_conv1d.causal_conv1d_update, causal_conv1d.update_reference)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -67,9 +72,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "add_rms_norm",
     "argmax",
+    "causal_conv1d_prefill",
+    "causal_conv1d_update",
     "dsa_sparse_attention",
     "dsa_topk_indices",
     "fused_linear_cross_entropy",
+    "gated_delta_decode",
+    "gated_delta_prefill",
     "gelu_and_mul",
     "gelu_and_mul_train",
     "grouped_gemm_train",

@@ -276,12 +276,16 @@ def _causal_conv1d_update_triton(
     return out
 
 
+#: the references with the launchers' argument checks (the ops' CPU path)
+prefill_reference = checked(causal_conv1d_prefill_ref, _check_prefill)
+update_reference = checked(causal_conv1d_update_ref, _check_update)
+
 causal_conv1d_prefill = kernel_op(
-    "causal_conv1d_prefill", _causal_conv1d_prefill_triton, checked(causal_conv1d_prefill_ref, _check_prefill),
+    "causal_conv1d_prefill", _causal_conv1d_prefill_triton, prefill_reference,
     lambda x, *_: torch.empty_like(x), signature=causal_conv1d_prefill_ref, mutates_args=("conv_state",),
 )
 
 causal_conv1d_update = kernel_op(
-    "causal_conv1d_update", _causal_conv1d_update_triton, checked(causal_conv1d_update_ref, _check_update),
+    "causal_conv1d_update", _causal_conv1d_update_triton, update_reference,
     lambda x, *_: torch.empty_like(x), signature=causal_conv1d_update_ref, mutates_args=("conv_state",),
 )

@@ -2,11 +2,21 @@
 recurrent decode, both on a pool of per-sequence state slots. The math, the layouts and the references:
 ``gated_delta_ref.py``.
 
-Prefill (``gated_delta_prefill``): one program per (sequence, value head, block of BV value columns) walks its
-sequence in chunks of 64 tokens, holding the state block [Dk, BV] in registers (float32): per chunk the
-intra-chunk system is solved by forward substitution (64 row steps on a [64, 64] tile), the rest are tile products
-(``tl.dot``: exact float32 for float32 inputs, tf32 for 16-bit ones). Programs of the value blocks of one head
-each redo the chunk's [64, 64] solve (Dv / BV times); nothing goes through global memory between phases.
+Prefill (``gated_delta_prefill``), chunks of 64 tokens, two launches:
+
+1. state pass, one program per (sequence, value head, block of BV value columns): walks its sequence's chunks in
+   order holding the state block [Dk, BV] in registers (float32); per chunk it solves the intra-chunk system
+   (forward substitution, 64 row steps on a [64, 64] tile), writes the chunk's starting state and its corrected
+   values V' to workspaces, and moves the state on; the final state goes back to the slot. The programs of one
+   head's value blocks each redo the chunk's solve (Dv / BV = 4 times at Dv = 128).
+2. output pass, one program per (chunk of the batch, value head, value block), all independent:
+   ``O = exp(G) q S_chunk + lower(q k^T * D) V'``.
+
+Products (``tl.dot``): float32 inputs multiply exactly (ieee); 16-bit inputs multiply 16-bit tiles (the
+normalised q and k, the state, the inverse, V'; as fla's kernels do) into float32 accumulators, and the
+workspaces hold the 16-bit values the output pass multiplies (so splitting changes no result). Workspace: a
+[chunks, Hv, Dk, Dv] state per chunk and a [T, Hv, Dv] V' (for 8192 tokens of Qwen3-Next: 128 x 32 x 128 x 128
+bf16 = 128 MiB, plus 64 MiB).
 Decode (``gated_delta_decode``): one program per (row, value head, value block) updates its state block once.
 """
 
@@ -309,12 +319,16 @@ def _gated_delta_decode_triton(
 
 assert L2NORM_EPS == 1e-6  # the kernels write the model's epsilon as a literal
 
+#: the references with the launchers' argument checks (the ops' CPU path)
+prefill_reference = checked(gated_delta_prefill_ref, _check_prefill)
+decode_reference = checked(gated_delta_decode_ref, _check_decode)
+
 gated_delta_prefill = kernel_op(
-    "gated_delta_prefill", _gated_delta_prefill_triton, checked(gated_delta_prefill_ref, _check_prefill),
+    "gated_delta_prefill", _gated_delta_prefill_triton, prefill_reference,
     lambda q, k, v, *_: torch.empty_like(v), signature=gated_delta_prefill_ref, mutates_args=("state",),
 )
 
 gated_delta_decode = kernel_op(
-    "gated_delta_decode", _gated_delta_decode_triton, checked(gated_delta_decode_ref, _check_decode),
+    "gated_delta_decode", _gated_delta_decode_triton, decode_reference,
     lambda q, k, v, *_: torch.empty_like(v), signature=gated_delta_decode_ref, mutates_args=("state",),
 )
