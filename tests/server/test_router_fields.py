@@ -120,3 +120,15 @@ def test_info_routes_and_generating_health_check():
         fake.die_on_next_step = True
         assert_error(client.get("/health_generate"), 503)
         assert_error(client.get("/health_generate"), 503)  # dead: refused before anything is queued
+
+
+def test_tokenize_takes_what_vllm_router_sends_for_a_chat():
+    """vllm-router's kv_aware tokenizes a chat through /tokenize (after /v1/chat/completions/render, a 404 here):
+    the token ids are the chat prompt's own."""
+    with fake_server() as (client, _):
+        body = {"model": "fake-model", "continue_final_message": False, "messages": HI}
+        ids = client.post("/tokenize", json=body).json()["tokens"]
+        usage = client.post("/v1/chat/completions", json={**VLLM_ROUTER_CHAT, "max_tokens": 1}).json()["usage"]
+        assert len(ids) == usage["prompt_tokens"]
+        cont = client.post("/tokenize", json={**body, "continue_final_message": True}).json()["tokens"]
+        assert cont != ids and len(cont) < len(ids)  # no generation prompt after the last message

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -60,6 +61,16 @@ def test_kv_aware_routes_to_the_worker_that_holds_the_blocks():
                 for k, prompt in enumerate(PROMPTS):  # each prompt went to the worker that holds its blocks
                     new = ws[2 - k].bodies[served[2 - k]:]
                     assert len(new) == 3 and all(json.loads(b)["prompt"] == prompt for b in new), (k, new)
+                # chat: the router tokenizes the messages through the worker's /tokenize (continue_final_message in it)
+                chat = [{"role": "user", "content": "a chat whose rendered prompt worker 1 holds"}]
+                ids = httpx.post(f"{ws[0].url}/tokenize", json={"model": "fake-model", "messages": chat,
+                                                                 "continue_final_message": False}).json()["tokens"]
+                claim(pubs[1], ids)
+                time.sleep(0.5)
+                before = len(ws[1].bodies)
+                for _ in range(3):
+                    client.chat.completions.create(model="fake-model", messages=chat, max_tokens=1)
+                assert len(ws[1].bodies) - before == 3
         finally:
             for p in pubs:
                 p.close()

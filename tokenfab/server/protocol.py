@@ -237,6 +237,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(default=False, description="with messages: end the prompt inside the last "
+                                         "message (vllm-router's kv_aware sends it when it tokenizes a chat)")
 
 
 class DetokenizeRequest(_Request):

@@ -6,19 +6,14 @@ fields (ours does: a typo such as ``max_token`` is a 400, never silently ignored
 behind a router. So these fields are known here, each with its type checked strictly like any other field, and
 each decided on its own:
 
-================== ============ ===============================================================================
-field              sent by      here
-================== ============ ===============================================================================
-no_stop_trim       both         honoured: true keeps the matched stop string in the output (SGLang's meaning; the
-                                same as ``include_stop_str_in_output``)
-return_hidden_states both       false accepted; true is a 400 (this server returns no hidden states, and a
-                                client that asks for them must not get a silent nothing)
-separate_reasoning both (chat)  honoured: false leaves the reasoning inline in ``content`` (no reasoning parser)
-stream_reasoning   both (chat)  accepted; reasoning is always streamed as it comes (false is logged and ignored:
-                                the text is the same, only its chunking differs)
-include_reasoning  vllm-router  honoured: false drops ``reasoning_content`` / ``reasoning`` from the answer
-                   (chat)
-================== ============ ===============================================================================
+- ``no_stop_trim`` (both routers): honoured; true keeps the matched stop string in the output (SGLang's meaning,
+  the same as ``include_stop_str_in_output``).
+- ``return_hidden_states`` (both): false accepted; true is a 400 (this server returns no hidden states, and a
+  client that asks for them must not get a silent nothing).
+- ``separate_reasoning`` (both, chat): honoured; false leaves the reasoning inline in ``content`` (no parser).
+- ``stream_reasoning`` (both, chat): accepted; reasoning is always streamed as it comes (false is logged and
+  ignored: the text is the same, only its chunking differs).
+- ``include_reasoning`` (vllm-router, chat): honoured; false drops ``reasoning_content`` / ``reasoning``.
 
 Any other unknown field is still a 400 that names it (``protocol.py``).
 """

@@ -248,7 +248,7 @@ class OpenAIServer:
     async def tokenize_endpoint(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if body.messages is not None:
-            text = await self.render_chat(body.messages, body.add_generation_prompt)
+            text = await self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
             ids = await self.tokenize(text, add_special_tokens=False, param="messages")
         elif body.prompt is not None:
             ids = await self.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
