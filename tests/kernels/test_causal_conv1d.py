@@ -27,7 +27,7 @@ def _batch(lens):
 
 CASES = tiered([
     # lengths, channels, dtype, bias, silu
-    ((1, 2, 3, 5, 40), 48, torch.float32, False, True),
+    ((1, 2, 3, 5, 40, 0), 48, torch.float32, False, True),  # an empty sequence too
     ((1, 17, 3), 40, torch.bfloat16, True, True),
     ((7, 1), 24, torch.float32, True, False),
     ((300, 2, 129), 520, torch.float32, False, True),

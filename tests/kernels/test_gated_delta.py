@@ -83,7 +83,7 @@ def _prefill_case(gen, lens, hk, hv, dk, dv, dtype, device):
 
 PREFILL = tiered([
     # lengths, key heads, value heads, dk, dv, dtype
-    (LENGTHS, 1, 2, 32, 16, torch.float32),
+    (LENGTHS + (0,), 1, 2, 32, 16, torch.float32),  # and an empty sequence (fresh: its slot is zeroed)
     ((65, 7, 130), 2, 4, 32, 32, torch.bfloat16),
     ((200, 64, 1), 2, 2, 128, 128, torch.float32),
     ((130, 3, 64), 16 // 8, 32 // 8, 128, 128, torch.bfloat16),

@@ -64,7 +64,8 @@ def causal_conv1d_prefill_ref(
         if slot < 0:
             continue
         past = _past(conv_state, slot, has_state is None or bool(has_state[n]))
-        out[lo:hi] = _conv_one(x[lo:hi], weight, bias, past, silu).to(x.dtype)
+        if hi > lo:
+            out[lo:hi] = _conv_one(x[lo:hi], weight, bias, past, silu).to(x.dtype)
         conv_state[slot] = torch.cat((past, x[lo:hi].float().t()), dim=1)[:, -(width - 1):].to(conv_state.dtype)
     return out
 
