@@ -126,6 +126,32 @@ def test_prefill_split_equals_whole(gen, device):
     assert_close(split, whole)
 
 
+def test_strided_views_of_the_conv_output(gen, device):
+    """q, k, v as column views of one [T, 2 * Hk * Dk + Hv * Dv] tensor (the conv output the model splits), g and
+    beta as views of a wider projection: the same results as contiguous copies, prefill and decode."""
+    lens, hk, hv, dk, dv = (5, 70), 2, 4, 16, 16
+    q, k, v, g, beta, cu, state = _inputs(gen, lens, hk, hv, dk, dv)
+    t = sum(lens)
+    mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=1).to(device)
+    qs = mixed[:, : hk * dk].view(t, hk, dk)
+    ks = mixed[:, hk * dk: 2 * hk * dk].view(t, hk, dk)
+    vs = mixed[:, 2 * hk * dk:].view(t, hv, dv)
+    gb = torch.cat((g, beta), dim=1).to(device)
+    slots = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    s1, s2 = state.clone().to(device), state.clone().to(device)
+    o1 = gd._gated_delta_prefill_triton(qs, ks, vs, gb[:, :hv], gb[:, hv:], cu.to(device), s1, slots, None, 0.25, True)
+    d = [x.to(device) for x in (q, k, v, g, beta)]
+    o2 = gd._gated_delta_prefill_triton(*d, cu.to(device), s2, slots, None, 0.25, True)
+    assert_close(o1, o2)
+    assert_close(s1, s2)
+    every6 = slice(0, 12, 6)  # rows 0 and 6 as views (a token stride 6 times the row's)
+    od1 = gd._gated_delta_decode_triton(qs[every6], ks[every6], vs[every6], gb[every6, :hv], gb[every6, hv:], s1,
+                                        slots, 0.25, True)
+    od2 = gd._gated_delta_decode_triton(*(x[every6].contiguous() for x in d), s2, slots, 0.25, True)
+    assert_close(od1, od2)
+    assert_close(s1, s2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_continues_prefill(dtype, gen, device):
     """Prefill 63 and 5 tokens, then 3 decode steps of both (a padding row in the batch): outputs and states equal
