@@ -19,7 +19,7 @@ from tests.server.postgres import postgres_url
 from tokenfab.server.batch import worker as worker_module
 from tokenfab.server.batch.batches import BatchStore
 from tokenfab.server.batch.config import BatchConfig
-from tokenfab.server.batch.db import Database
+from tokenfab.server.batch.db import BatchRow, Database
 from tokenfab.server.batch.files import FileStore
 from tokenfab.server.batch.worker import BatchWorker
 
@@ -173,3 +173,18 @@ def test_a_database_with_an_older_schema_is_refused_at_start(tmp_path):
     con.close()
     with pytest.raises(RuntimeError, match="older schema"):
         Database(f"sqlite:///{tmp_path / 'old.db'}")
+
+
+def test_a_batch_past_its_window_expires_with_what_it_answered(tmp_path):
+    async def main() -> None:
+        db, files, batches, config = _setup(tmp_path)
+        batch_id = await _create(files, batches, ["a", "b"])
+        await db.run(lambda s: setattr(s.get(BatchRow, batch_id), "expires_at", 0))
+        worker = BatchWorker(db, files, CountingRunner(), config)  # type: ignore[arg-type]
+        worker.start()
+        batch = await _until(batches, batch_id, lambda b: b["status"] == "expired")
+        await worker.stop()
+        assert batch["expired_at"] and batch["output_file_id"] is None and batch["request_counts"]["completed"] == 0
+        db.close()
+
+    asyncio.run(main())
