@@ -52,3 +52,14 @@ def test_bad_shapes_are_refused(device):
     with pytest.raises(ValueError, match="do not fit"):
         lora._lora_delta_triton(x, torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(1, 2, 9),
                                 torch.zeros(1, 4, 2))
+
+
+@pytest.mark.parametrize("t,k,n,r,s", CASES + [(64, 96, 40, 8, 8), (65, 24, 16, 4, 3)])
+def test_cpu_path_matches_reference(t, k, n, r, s, gen):
+    """The CPU path (dense over every slot, masked; the reference above DENSE_MAX_ROWS rows)."""
+    x = torch.randn(t, k, generator=gen)
+    a, b = torch.randn(s, r, k, generator=gen) * 0.3, torch.randn(s, n, r, generator=gen) * 0.3
+    slots = torch.randint(-1, s, (t,), generator=gen, dtype=torch.int32)
+    out = lora.lora_delta_cpu(x, slots, a, b)
+    assert_close(out, lora.lora_delta_ref(x, slots, a, b))
+    assert (out[slots < 0] == 0).all()

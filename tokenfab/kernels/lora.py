@@ -8,10 +8,14 @@ row), in one launch however many adapters the batch mixes.
 - ``x``: [T, K]; ``token_slots``: int32/int64 [T].
 
 The reference is segmented (SGMV): one shrink and one expand matrix product per adapter over the
-rows that use it, accumulated in float32. The Triton kernel is gathered (BGMV): program (token,
-N-block) reads its token's adapter, shrinks x through A in K-blocks into r float32 accumulators,
-expands through its N-block of B; the shrink is recomputed per N-block, which costs r*K per block
-against the N-block's r*BLOCK_N, cheap while r is small.
+rows that use it, accumulated in float32. The CPU path (``lora_delta_cpu``, dispatched as the op's
+"native" implementation; there is no C kernel) takes decode-sized batches through two dense products
+over every pool slot at once, the shrink's columns of other slots masked to exact zeros: two GEMMs
+instead of two per adapter, S times the (small) FLOPs; larger batches take the reference.
+
+The Triton kernel is gathered (BGMV): program (token, N-block) reads its token's adapter, shrinks x
+through A in K-blocks into r float32 accumulators, expands through its N-block of B; the shrink is
+recomputed per N-block, which costs r*K per block against the N-block's r*BLOCK_N, cheap while r is small.
 """
 
 from __future__ import annotations
@@ -31,14 +35,29 @@ from tokenfab.kernels._dispatch import kernel_op
 def lora_delta_ref(x: torch.Tensor, token_slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[T, N] in x's dtype: row t = b[s] @ (a[s] @ x[t]) for s = token_slots[t] >= 0, zeros where s < 0."""
     out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)
-    slots = token_slots.tolist()
-    for s in sorted(set(slots)):
+    slots = token_slots.long()
+    for s in torch.unique(slots).tolist():
         if s < 0:
             continue
-        rows = torch.tensor([i for i, v in enumerate(slots) if v == s], dtype=torch.int64, device=x.device)
+        rows = (slots == s).nonzero().squeeze(1)
         xs = x.index_select(0, rows).float()
         out.index_copy_(0, rows, (xs @ a[s].float().t()) @ b[s].float().t())
     return out.to(x.dtype)
+
+
+DENSE_MAX_ROWS = 64  # the CPU path's dense form up to this many tokens (decode-sized batches)
+
+
+def lora_delta_cpu(x: torch.Tensor, token_slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``lora_delta_ref``'s result for decode-sized batches in two GEMMs: ``x`` against every slot's A at
+    once, each row's columns of other slots (and all of a base row's) zeroed, then against every B."""
+    t, (s, r, k), n = x.shape[0], a.shape, b.shape[1]
+    if t > DENSE_MAX_ROWS or t == 0:
+        return lora_delta_ref(x, token_slots, a, b)
+    xa = x.float() @ a.reshape(s * r, k).float().t()  # [T, S*r]
+    owner = torch.arange(s, device=x.device).repeat_interleave(r)
+    xa = xa * (token_slots.long().unsqueeze(1) == owner.unsqueeze(0))
+    return (xa @ b.permute(0, 2, 1).reshape(s * r, n).float()).to(x.dtype)
 
 
 @triton.jit
@@ -98,4 +117,4 @@ def _lora_delta_fake(x: torch.Tensor, token_slots: torch.Tensor, a: torch.Tensor
     return x.new_empty(x.shape[0], b.shape[1])
 
 
-lora_delta = kernel_op("lora_delta", _lora_delta_triton, lora_delta_ref, _lora_delta_fake)
+lora_delta = kernel_op("lora_delta", _lora_delta_triton, lora_delta_ref, _lora_delta_fake, native=lora_delta_cpu)

@@ -19,7 +19,7 @@ from tokenfab.kernels import lora as lora_kernels
 from tokenfab.kernels._dispatch import eager_op
 
 LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-lora_delta = eager_op(lora_kernels.lora_delta, lora_kernels.lora_delta_ref)
+lora_delta = eager_op(lora_kernels.lora_delta, lora_kernels.lora_delta_ref, lora_kernels.lora_delta_cpu)
 
 
 class LoRABatchState:
