@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.lora.adapters import merged_greedy
+from tokenfab import LLM
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.sampling_params import SamplingParams
@@ -166,3 +167,12 @@ def test_mixed_batch_through_the_triton_kernels(lora_setup, references, monkeypa
     engine = _engine(base_dir, cpu_weight_packing=False)
     jobs = [(PROMPTS[3], None), (PROMPTS[3], _req(adapters, "x", 1)), (PROMPTS[1], _req(adapters, "y", 2))]
     assert _run(engine, jobs) == [references[None][3], references["x"][3], references["y"][1]]
+
+
+def test_llm_generate_with_a_lora_request(lora_setup, references):
+    base_dir, _, adapters = lora_setup
+    llm = LLM(base_dir, device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+    out = llm.generate(PROMPTS[:2], params, lora_request=_req(adapters, "y", 2))
+    assert [list(o.outputs[0].token_ids) for o in out] == references["y"][:2]
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:2], params)] == references[None][:2]

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SEED_MAX, SamplingParams
 
@@ -38,9 +39,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is text or a list of token ids; with
-        ``n > 1`` the n completions of a prompt are in ``outputs[0..n-1]``."""
+        ``n > 1`` the n completions of a prompt are in ``outputs[0..n-1]``. ``lora_request``: the
+        LoRA adapter every prompt runs with (an engine started with ``enable_lora=True``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -50,7 +53,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
-        return self._run(prompts, params, use_tqdm, priority)
+        return self._run(prompts, params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -83,7 +86,8 @@ class LLM:
         return list(out)
 
     def _run(
-        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, priority: Seq[int] | None
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, priority: Seq[int] | None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         if priority is not None and len(priority) != len(prompts):
@@ -103,7 +107,7 @@ class LLM:
                     if p.n > 1:
                         sub = _copy_params(p, seed=None if p.seed is None else (p.seed + j) % (SEED_MAX + 1))
                     engine.add_request(rid, text if text is not None else ids, sub, priority[i] if priority else 0,
-                                       prompt_token_ids=ids)
+                                       prompt_token_ids=ids, lora_request=lora_request)
                     order[rid] = (i, j)
         except BaseException:
             for rid in order:
