@@ -39,7 +39,7 @@ def _inputs(gen, lens, hk, hv, dk, dv, dtype=torch.float32, slots=8):
     return q, k, v, g, beta, cu, state
 
 
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length", tiered([(n,) for n in LENGTHS], slow=lambda n: n not in (1, 65)))
 def test_reference_matches_transformers(length, gen):
     """Our chunk and token references equal transformers' torch_chunk_gated_delta_rule and
     torch_recurrent_gated_delta_rule (grouped heads, a nonzero initial state, l2-normalised q/k)."""
