@@ -165,3 +165,17 @@ def test_cli_flags_and_lora_module_forms():
     for bad in ("noequals", "=path", "name=", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}', "{bad"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_module(bad)
+
+
+def test_retrieve_an_adapter_and_the_openapi_model_field(live):
+    server, adapters, _ = live
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    card = client.models.retrieve("y")
+    assert card.id == "y" and card.parent == "base" and card.root == str(adapters["y"])
+    assert client.models.retrieve("base").parent is None
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        doc = http.get("/openapi.json").json()
+    model = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]
+    assert "base" not in str(model)  # adapters come and go: not a fixed list of names

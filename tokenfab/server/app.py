@@ -103,10 +103,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(*auth, 404))
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != server.model_name:
-            raise APIError(404, f"The model '{model_id}' does not exist", param="model",
-                           code="model_not_found")
-        return server.model_card().model_dump()
+        for card in server.models()["data"]:  # the base model, then the LoRA adapters (--enable-lora)
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
     @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Response:
@@ -130,7 +130,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await server.detokenize_endpoint(body)
 
-    _document_truthfully(app, server.model_name, priority=engine.scheduling_policy == "priority",
+    # with --enable-lora, adapters loaded at run time are valid model names too: no fixed list then
+    _document_truthfully(app, None if server.loras.enabled else server.model_name,
+                         priority=engine.scheduling_policy == "priority",
                          chat_template=config.trust_request_chat_template)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes, on_reject=server.metrics.error,
                        exempt=(UPLOAD_PATH,) if batches is not None else ())
@@ -139,7 +141,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
     return app
 
 
-def _document_truthfully(app: FastAPI, model_name: str, priority: bool, chat_template: bool) -> None:
+def _document_truthfully(app: FastAPI, model_name: str | None, priority: bool, chat_template: bool) -> None:
     """Corrections to FastAPI's document, so that it says what this server accepts: no 422 (it
     answers 400 instead); ``model`` is the one name it serves (or absent), not any string;
     ``priority`` is 0 unless it runs the priority policy; ``suffix`` must be empty; a request's
@@ -153,7 +155,7 @@ def _document_truthfully(app: FastAPI, model_name: str, priority: bool, chat_tem
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
                     for param in op.get("parameters", []):
-                        if param.get("name") == "model_id":
+                        if param.get("name") == "model_id" and model_name is not None:
                             param["schema"] = {"type": "string", "enum": [model_name], "title": "Model Id"}
             schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
@@ -161,7 +163,7 @@ def _document_truthfully(app: FastAPI, model_name: str, priority: bool, chat_tem
             for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
                          "ResponsesRequest"):
                 props = schemas.get(name, {}).get("properties", {})
-                if "model" in props:
+                if "model" in props and model_name is not None:
                     props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
                                       "title": "Model", "description": "the served model's name"}
                 if "priority" in props and not priority:
