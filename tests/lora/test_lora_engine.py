@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.lora.adapters import merged_greedy
 from tokenfab import LLM
@@ -176,3 +177,26 @@ def test_llm_generate_with_a_lora_request(lora_setup, references):
     out = llm.generate(PROMPTS[:2], params, lora_request=_req(adapters, "y", 2))
     assert [list(o.outputs[0].token_ids) for o in out] == references["y"][:2]
     assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:2], params)] == references[None][:2]
+
+
+@pytest.mark.parametrize("tensors,fragment", [
+    ({"base_model.model.lm_head.lora_A.weight": (4, 64), "base_model.model.lm_head.lora_B.weight": (320, 4)},
+     "not a LoRA target"),
+    ({"base_model.model.model.embed_tokens.lora_embedding_A": (4, 320)}, "not a LoRA A/B weight"),
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (4, 64)}, "needs lora_A and lora_B"),
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (4, 65),
+      "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": (64, 4)}, "do not fit"),
+    ({"base_model.model.model.layers.9.mlp.up_proj.lora_A.weight": (4, 64),
+      "base_model.model.model.layers.9.mlp.up_proj.lora_B.weight": (128, 4)}, "not a LoRA target"),
+    ({}, "no LoRA tensors"),
+])
+def test_hand_made_bad_adapters_are_refused(lora_setup, tmp_path, tensors, fragment):
+    base_dir, _, _ = lora_setup
+    engine = _engine(base_dir)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    save_file({k: torch.ones(s) for k, s in tensors.items()}, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=fragment):
+        engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=1),
+                           lora_request=LoRARequest("a", 5, str(tmp_path / "a")))
+    assert not engine.has_unfinished_requests() and engine.lora.loaded_ids() == []
