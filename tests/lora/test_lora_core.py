@@ -39,6 +39,7 @@ def test_lora_requests_through_the_core(lora_setup, tmp_path):
     thread.start()
     client = EngineCoreClient(address, os.getpid(), None, ready_timeout=30)
     try:
+        assert client.lora_targets == engine.lora_targets  # an API server checks adapters against them
         params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
         jobs = {"b": None, "x": LoRARequest("x", 1, str(adapters["x"])), "y": LoRARequest("y", 2, str(adapters["y"])),
                 "bad": LoRARequest("bad", 3, str(tmp_path / "missing"))}

@@ -81,6 +81,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.lora: LoRAManager | None = lora_manager_for(args, self.model, self.device, self.dtype)  # --enable-lora
+        self.lora_targets = self.lora.targets if self.lora is not None else None  # API servers check adapters
         copies = maybe_pack_cpu_weights(self.model, self.device, args.cpu_weight_packing)
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         two_batch.configure_from_args(args)  # --enable-two-batch-overlap (every TP rank does the same)

@@ -111,64 +111,85 @@ def shard_sizes_of(model: nn.Module, module_path: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _target_of(model: nn.Module, checkpoint_module: str) -> tuple[str, int]:
+def lora_targets_of(model: nn.Module, supported: tuple[str, ...]) -> dict[str, Any]:
+    """What adapters may target in ``model``, as plain data (it crosses the engine-core process boundary,
+    so an API server can check an adapter's files before any request uses it): ``packed``, checkpoint
+    leaf name -> [merged leaf, shard]; ``modules``, our module path -> [in_features, shard output sizes]."""
+    modules = {path: [int(m.in_features), shard_sizes_of(model, path)] for path, m in model.named_modules()
+               if path.rpartition(".")[2] in supported and hasattr(m, "in_features")}
+    packed = {k: list(v) for k, v in getattr(model, "packed_modules", {}).items()}
+    return {"packed": packed, "modules": modules}
+
+
+def _target_of(targets: dict[str, Any], checkpoint_module: str) -> tuple[str, int]:
     """(our module path, shard index) of a checkpoint module path."""
     parent, _, leaf = checkpoint_module.rpartition(".")
-    packed = getattr(model, "packed_modules", {})
-    if leaf in packed:
-        merged, shard = packed[leaf]
-        return f"{parent}.{merged}", shard
+    if leaf in targets["packed"]:
+        merged, shard = targets["packed"][leaf]
+        return f"{parent}.{merged}", int(shard)
     return checkpoint_module, 0
 
 
-@torch.no_grad()
-def load_lora_weights(adapter_dir: str | Path, model: nn.Module, dtype: torch.dtype,
-                      max_rank: int | None = None, supported: tuple[str, ...] = ()) -> LoRAWeights:
-    """Read and check one adapter against ``model`` (host memory, ``dtype``). ``supported``: the
-    leaf names of our modules LoRA may target (e.g. qkv_proj, o_proj, gate_up_proj, down_proj)."""
+def check_adapter_files(adapter_dir: str | Path, targets: dict[str, Any], max_rank: int | None = None
+                        ) -> tuple[AdapterConfig, dict[str, tuple[str, int, str, str]]]:
+    """Check an adapter's config and its tensors' names and shapes (the safetensors header only) against
+    ``targets`` (``lora_targets_of``); returns the config and, per checkpoint module, (our path, shard,
+    the A tensor's key, the B tensor's key)."""
     cfg = read_adapter_config(adapter_dir, max_rank)
     weights_path = Path(adapter_dir) / WEIGHTS_NAME
     if not weights_path.is_file():
         if (Path(adapter_dir) / "adapter_model.bin").is_file():
             raise ValueError(f"{adapter_dir}: only {WEIGHTS_NAME} is read (adapter_model.bin is a pickle)")
         raise FileNotFoundError(f"{adapter_dir}: no {WEIGHTS_NAME}")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    shapes: dict[str, dict[str, tuple[str, list[int]]]] = {}
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = key.removeprefix(PREFIX)
                 for half in ("lora_A", "lora_B"):
                     if name.endswith(f".{half}.weight"):
-                        pairs.setdefault(name[: -len(f".{half}.weight")], {})[half] = f.get_tensor(key)
+                        shapes.setdefault(name[: -len(f".{half}.weight")], {})[half] = (key,
+                                                                                         f.get_slice(key).get_shape())
                         break
                 else:
                     raise ValueError(f"{adapter_dir}: tensor {key!r} is not a LoRA A/B weight (not supported)")
     except (OSError, RuntimeError) as e:  # safetensors' header / format errors
         raise ValueError(f"{weights_path}: cannot read ({e})") from None
-    if not pairs:
+    if not shapes:
         raise ValueError(f"{adapter_dir}: the adapter has no LoRA tensors")
-    out = LoRAWeights(cfg, str(adapter_dir))
-    for ckpt_module, halves in sorted(pairs.items()):
+    where: dict[str, tuple[str, int, str, str]] = {}
+    supported = sorted({p.rpartition(".")[2] for p in targets["modules"]})
+    for ckpt_module, halves in sorted(shapes.items()):
         if set(halves) != {"lora_A", "lora_B"}:
             raise ValueError(f"{adapter_dir}: {ckpt_module} has {sorted(halves)} only (needs lora_A and lora_B)")
-        target, shard = _target_of(model, ckpt_module)
-        leaf = target.rpartition(".")[2]
-        try:
-            module = model.get_submodule(target)
-        except AttributeError:
-            module = None
-        if module is None or leaf not in supported:
+        target, shard = _target_of(targets, ckpt_module)
+        if target not in targets["modules"]:
             raise ValueError(f"{adapter_dir}: module {ckpt_module} is not a LoRA target this model supports "
                              f"({', '.join(supported)})")
-        sizes = shard_sizes_of(model, target)
-        a, b = halves["lora_A"], halves["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape != (cfg.rank, module.in_features) or \
-                shard >= len(sizes) or b.shape != (sizes[shard], cfg.rank):
-            raise ValueError(f"{adapter_dir}: {ckpt_module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
-                             f"not fit rank {cfg.rank} and the module's {module.in_features} inputs / "
-                             f"{sizes[shard] if shard < len(sizes) else '?'} outputs")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ValueError(f"{adapter_dir}: {ckpt_module} has non-finite values")
-        a32, b32 = a.to(torch.float32), b.to(torch.float32) * cfg.scaling
-        out.modules.setdefault(target, {})[shard] = (a32.to(dtype).contiguous(), b32.to(dtype).contiguous())
+        k, sizes = targets["modules"][target]
+        (key_a, a), (key_b, b) = halves["lora_A"], halves["lora_B"]
+        a, b = list(a), list(b)
+        if shard >= len(sizes) or a != [cfg.rank, k] or b != [sizes[shard], cfg.rank]:
+            raise ValueError(f"{adapter_dir}: {ckpt_module}: lora_A {a} / lora_B {b} do not fit rank {cfg.rank} "
+                             f"and the module's {k} inputs / {sizes[shard] if shard < len(sizes) else '?'} outputs")
+        where[ckpt_module] = (target, shard, key_a, key_b)
+    return cfg, where
+
+
+@torch.no_grad()
+def load_lora_weights(adapter_dir: str | Path, targets: dict[str, Any], dtype: torch.dtype,
+                      max_rank: int | None = None) -> LoRAWeights:
+    """Read one adapter, checked against ``targets`` (``lora_targets_of``), into host memory as ``dtype``."""
+    cfg, where = check_adapter_files(adapter_dir, targets, max_rank)
+    out = LoRAWeights(cfg, str(adapter_dir))
+    try:
+        with safe_open(str(Path(adapter_dir) / WEIGHTS_NAME), framework="pt") as f:
+            for ckpt_module, (target, shard, key_a, key_b) in where.items():
+                a, b = f.get_tensor(key_a).to(torch.float32), f.get_tensor(key_b).to(torch.float32)
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                    raise ValueError(f"{adapter_dir}: {ckpt_module} has non-finite values")
+                out.modules.setdefault(target, {})[shard] = (a.to(dtype).contiguous(),
+                                                             (b * cfg.scaling).to(dtype).contiguous())
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{adapter_dir}: cannot read ({e})") from None
     return out

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenfab.engine.requests.lora_request import LoRARequest
-from tokenfab.loader.lora_adapter import WEIGHTS_NAME, read_adapter_config
+from tokenfab.loader.lora_adapter import WEIGHTS_NAME, check_adapter_files, read_adapter_config
 
 #: the LoRA request of the API request being served (None: the base model)
 REQUEST_LORA: contextvars.ContextVar[LoRARequest | None] = contextvars.ContextVar("tokenfab_lora", default=None)
@@ -57,8 +57,9 @@ class ServedAdapter:
 
 
 class LoRARegistry:
-    def __init__(self, enabled: bool, base_model: str, max_lora_rank: int | None) -> None:
+    def __init__(self, enabled: bool, base_model: str, max_lora_rank: int | None, targets: dict | None = None) -> None:
         self.enabled = enabled
+        self.targets = targets  # the engine's LoRA targets: adapter tensors are checked against them at load
         self.base_model = base_model
         self.max_lora_rank = max_lora_rank
         self.adapters: dict[str, ServedAdapter] = {}
@@ -73,7 +74,10 @@ class LoRARegistry:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise ValueError("lora_path must be a non-empty string")
         try:
-            read_adapter_config(path, self.max_lora_rank)
+            if self.targets is not None:
+                check_adapter_files(path, self.targets, self.max_lora_rank)
+            else:
+                read_adapter_config(path, self.max_lora_rank)
         except FileNotFoundError as e:
             raise ValueError(f"lora_path: no adapter at {path!r} ({e})") from None
         if not (Path(path) / WEIGHTS_NAME).is_file():

@@ -74,7 +74,8 @@ class OpenAIServer:
         # One worker: the event loop stays free, which is the point, and the copy is used by one thread.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-tok")
         self.created = int(time.time())
-        self.loras = LoRARegistry(self.config.enable_lora, self.model_name, self.config.max_lora_rank)
+        self.loras = LoRARegistry(self.config.enable_lora, self.model_name, self.config.max_lora_rank,
+                                  engine.lora_targets)
         for spec in self.config.lora_modules or []:
             if not self.config.enable_lora:
                 raise ValueError("--lora-modules needs --enable-lora")

@@ -91,6 +91,12 @@ class AsyncEngine:
     vocab_size: Forwarded[int] = Forwarded("engine.vocab_size", int)
 
     @property
+    def lora_targets(self) -> dict | None:
+        """The modules LoRA adapters may target (``--enable-lora``; ``loader.lora_adapter.lora_targets_of``),
+        for checking an adapter's files before a request uses it; None without LoRA."""
+        return getattr(self.engine, "lora_targets", None)
+
+    @property
     def scheduling_policy(self) -> str:
         return str(getattr(self.engine, "scheduling_policy", "fcfs"))
 

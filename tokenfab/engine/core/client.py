@@ -99,6 +99,7 @@ class EngineCoreClient:
         self.eos_token_ids: list[int] = info["eos_token_ids"]
         self.kv_cache_tokens: int = info["kv_cache_tokens"]
         self.scheduling_policy: str = info["scheduling_policy"]
+        self.lora_targets: dict | None = info.get("lora_targets")  # --enable-lora: what adapters may target
         self.limits = RequestLimits(self.vocab_size, self.max_model_len, self.kv_cache_tokens)
         self.processor = OutputProcessor(tokenizer, self.eos_token_ids)
         self._inflight: set[str] = set()

@@ -95,7 +95,7 @@ class EngineCore:
             "eos_token_ids": [int(t) for t in e.eos_token_ids], "kv_cache_tokens": int(e.kv_cache_tokens),
             "scheduling_policy": str(e.scheduling_policy), "pid": os.getpid(),
             "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
-            "stats": self._stats(),
+            "stats": self._stats(), "lora_targets": getattr(e, "lora_targets", None),
         }
 
     def _stats(self) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.layers.lora import LORA_TARGETS, attach_lora
-from tokenfab.loader.lora_adapter import LoRAWeights, load_lora_weights, shard_sizes_of
+from tokenfab.loader.lora_adapter import LoRAWeights, load_lora_weights, lora_targets_of, shard_sizes_of
 from tokenfab.models.llama import CausalLM
 
 
@@ -46,6 +46,8 @@ class LoRAManager:
         self.model, self.device, self.dtype = model, device, dtype
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.pools = attach_lora(model, shard_sizes_of, max_loras, max_lora_rank, dtype, device)
+        #: what adapters may target, as plain data (an API server checks adapter files against it)
+        self.targets = lora_targets_of(model, LORA_TARGETS)
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAWeights]] = OrderedDict()  # LRU, newest last
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> device slot, LRU newest last
         self.num_loads = 0  # adapters read from disk (tests: LRU eviction reloads)
@@ -60,7 +62,7 @@ class LoRAManager:
             self.host.move_to_end(req.lora_int_id)
             return held[1]
         try:
-            weights = load_lora_weights(req.lora_path, self.model, self.dtype, self.max_lora_rank, LORA_TARGETS)
+            weights = load_lora_weights(req.lora_path, self.targets, self.dtype, self.max_lora_rank)
         except FileNotFoundError as e:
             raise ValueError(f"lora_path: {e}") from None
         self.num_loads += 1
