@@ -196,3 +196,28 @@ def test_an_adapter_for_another_model_is_refused_at_load(live, lora_setup):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs["x"][0]
         long = http.post("/v1/load_lora_adapter", json={"lora_name": "n" * 300, "lora_path": str(foreign)})
         assert long.status_code == 400
+
+
+def test_broken_adapter_files_are_4xx(live, tmp_path):
+    server, _, _ = live
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    (garbage / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    (pickled / "adapter_model.bin").write_bytes(b"not read")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "adapter_config.json").write_text('{"peft_type": "LORA", "pad": "' + "x" * (2 << 20) + '"}')
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "use_dora": true}')
+    cases = [(garbage, "cannot read"), (pickled, "pickle"), (huge, "larger than"), (dora, "use_dora"),
+             (garbage / "adapter_config.json", "not a directory")]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for i, (path, fragment) in enumerate(cases):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": f"broken{i}", "lora_path": str(path)})
+            assert r.status_code == 400 and fragment in r.json()["error"]["message"], (path, r.text)
+        assert http.get("/health").status_code == 200

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 CONFIG_NAME = "adapter_config.json"
@@ -153,7 +153,7 @@ def check_adapter_files(adapter_dir: str | Path, targets: dict[str, Any], max_ra
                         break
                 else:
                     raise ValueError(f"{adapter_dir}: tensor {key!r} is not a LoRA A/B weight (not supported)")
-    except (OSError, RuntimeError) as e:  # safetensors' header / format errors
+    except (OSError, RuntimeError, SafetensorError) as e:  # a bad header or file
         raise ValueError(f"{weights_path}: cannot read ({e})") from None
     if not shapes:
         raise ValueError(f"{adapter_dir}: the adapter has no LoRA tensors")
@@ -190,6 +190,6 @@ def load_lora_weights(adapter_dir: str | Path, targets: dict[str, Any], dtype: t
                     raise ValueError(f"{adapter_dir}: {ckpt_module} has non-finite values")
                 out.modules.setdefault(target, {})[shard] = (a.to(dtype).contiguous(),
                                                              (b * cfg.scaling).to(dtype).contiguous())
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"{adapter_dir}: cannot read ({e})") from None
     return out
