@@ -102,6 +102,16 @@ def test_matmul_matches_reference(qtype, act, m, k):
     assert_close(gm.ggml_matmul_reference(x, packed, qtype, k, act=act), expected)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_f32_rows_longer_than_a_scale_chunk(qtype):
+    """Rows of 259 blocks: the f32 kernel converts a row's scales 256 blocks at a time (SCALE_CHUNK),
+    so the second chunk and the odd last block must read their own scales."""
+    k = 32 * 259
+    packed, deq = _weights(qtype, 19, k)
+    x = _x(3, k)
+    assert_close(gm.ggml_matmul(x, packed, qtype, k, act="f32"), _oracle(x, deq, "f32"))
+
+
 def _random_packed(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     """Adversarial packed weights: every quant byte value (Q8_0's -128 included), float16 scales
     (and Q4_1 minimums) of both signs over eight decades, a few zero scales."""

@@ -74,6 +74,7 @@ static const int64_t BLOCK_BYTES[4] = {34, 18, 20, 128};
 
 #define AI static inline __attribute__((always_inline))
 #define NC 16 /* weight rows a thread takes at a time: they stay in L1 while every row tile passes */
+#define SCALE_CHUNK 256 /* blocks of a row whose scales ggml_matmul.c converts at a time (even) */
 /* parallelize a product of at least this many multiply-adds: a 192 x 576 GEMV ran as fast on one
  * thread as on two, and skips the barrier (which stalls when the other core is busy) */
 #define PAR_MIN_WORK 262144

@@ -35,13 +35,13 @@ AI float v_sum_pinned(vf v) {
     PIN(q);
     return _mm_cvtss_f32(q);
 }
-/* one block -> 32 floats in w[0..1] */
-AI void deq_block(int qt, const uint8_t *b, vf *w) {
+/* one block -> 32 floats in w[0..1]; d, m: its scales as floats (row_scales; m: Q4_1 only) */
+AI void deq_block(int qt, const uint8_t *b, float df, float mf, vf *w) {
     if (qt == GF32) { /* float32 weights: 32 of them, as they are */
         for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
         return;
     }
-    const vf d = _mm512_set1_ps(half_to_float(b)); /* unused (and dropped) for Q4_1 */
+    const vf d = _mm512_set1_ps(df);
     if (qt == GQ8_0) {
         w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
         w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
@@ -51,18 +51,29 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
      * 4 bits of each index: the low nibble needs no mask). Same roundings as d * (q - 8) and
      * fma(d, q, m): the table holds exactly those values. */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 table;
-    if (qt == GQ4_0) {
-        table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
-    } else { /* d and m converted together */
-        int32_t dm;
-        memcpy(&dm, b, 4);
-        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-        table = _mm512_fmadd_ps(_mm512_broadcastss_ps(f), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
-    }
+    const __m512 table = qt == GQ4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)))
+                                     : _mm512_fmadd_ps(d, iota, _mm512_set1_ps(mf));
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qt == GQ4_1 ? 4 : 2))));
     w[0] = _mm512_permutexvar_ps(v, table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+/* the float16 words at offsets 0 (d) and 2 (Q4_1's m) of blocks [0, n) as floats, 16 blocks a
+ * gather: the block loop then broadcasts its scales from memory (loads), where converting them
+ * block by block took 4 of the ~12 shuffle-port operations of a block */
+AI void row_scales(int qt, const uint8_t *wr, int64_t n, float *sd, float *sm) {
+    const int bb = (int)BLOCK_BYTES[qt];
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(bb));
+    int64_t b = 0;
+    for (; b + 16 <= n; b += 16) {
+        const __m512i g = _mm512_i32gather_epi32(idx, wr + b * bb, 1);
+        _mm512_storeu_ps(sd + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+        if (qt == GQ4_1) _mm512_storeu_ps(sm + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+    }
+    for (; b < n; b++) {
+        sd[b] = half_to_float(wr + b * bb);
+        if (qt == GQ4_1) sm[b] = half_to_float(wr + b * bb + 2);
+    }
 }
 #elif GG_AVX2
 #define VW 8
@@ -93,12 +104,12 @@ AI float v_sum_pinned(vf v) {
 AI vf cvt8(__m128i bytes8, int sgn) { /* the low 8 bytes, widened to floats */
     return _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
 }
-AI void deq_block(int qt, const uint8_t *b, vf *w) {
+AI void deq_block(int qt, const uint8_t *b, float df, float mf, vf *w) {
     if (qt == GF32) { /* float32 weights: 32 of them, as they are */
         for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
         return;
     }
-    const vf d = _mm256_set1_ps(half_to_float(b));
+    const vf d = _mm256_set1_ps(df);
     if (qt == GQ8_0) {
         for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, cvt8(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)), 1));
         return;
@@ -106,7 +117,7 @@ AI void deq_block(int qt, const uint8_t *b, vf *w) {
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + (qt == GQ4_1 ? 4 : 2)));
     const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const vf m = qt == GQ4_1 ? _mm256_set1_ps(half_to_float(b + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const vf m = qt == GQ4_1 ? _mm256_set1_ps(mf) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, cvt8(part[i], 0), m); /* Q4_0: d*q - 8d, exact */
 }
 #else
@@ -126,22 +137,31 @@ AI float v_sum(vf v) { return v; }
 #define PIN(x) __asm__("" : "+g"(x))
 #endif
 AI float v_sum_pinned(vf v) { return v; }
-AI void deq_block(int qt, const uint8_t *b, vf *w) {
+AI void deq_block(int qt, const uint8_t *b, float d, float mf, vf *w) {
     if (qt == GF32) { /* float32 weights: 32 of them, as they are */
         for (int v = 0; v < NV; v++) w[v] = v_load((const float *)b + v * VW);
         return;
     }
-    const float d = half_to_float(b);
     if (qt == GQ8_0) {
         for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)b[2 + j];
         return;
     }
     const uint8_t *q = b + (qt == GQ4_1 ? 4 : 2);
-    const float m = qt == GQ4_1 ? half_to_float(b + 2) : 0.0f;
+    const float m = qt == GQ4_1 ? mf : 0.0f;
     const int off = qt == GQ4_0 ? 8 : 0;
     for (int j = 0; j < 16; j++) {
         w[j] = d * (float)((q[j] & 15) - off) + m;
         w[j + 16] = d * (float)((q[j] >> 4) - off) + m;
+    }
+}
+#endif
+
+#if !GG_AVX512
+/* the scales of blocks [0, n) of a row as floats (d; Q4_1's m) */
+AI void row_scales(int qt, const uint8_t *wr, int64_t n, float *sd, float *sm) {
+    for (int64_t b = 0; b < n; b++) {
+        sd[b] = half_to_float(wr + b * BLOCK_BYTES[qt]);
+        if (qt == GQ4_1) sm[b] = half_to_float(wr + b * BLOCK_BYTES[qt] + 2);
     }
 }
 #endif
@@ -176,27 +196,33 @@ AI void gemv_row(int qt, int mt, const uint8_t *wr, const float *x, int64_t K, f
     vf acc[8][NV];
     for (int m = 0; m < U * mt; m++)
         for (int v = 0; v < NV; v++) acc[m][v] = v_zero();
+    /* the blocks in chunks of SCALE_CHUNK (even: a pair never straddles two), their scales first */
+    float sd[SCALE_CHUNK], sm[SCALE_CHUNK]; /* sm: Q4_1 only (read only for it) */
     int64_t b = 0;
-    for (; b + U <= nb; b += U)
-        for (int u = 0; u < U; u++) {
+    for (int64_t c0 = 0; c0 < nb; c0 += SCALE_CHUNK) {
+        const int64_t c1 = c0 + SCALE_CHUNK < nb ? c0 + SCALE_CHUNK : nb;
+        if (qt != GF32) row_scales(qt, wr + c0 * bb, c1 - c0, sd, sm);
+        for (; b + U <= c1; b += U)
+            for (int u = 0; u < U; u++) {
+                vf w[NV];
+                deq_block(qt, wr + (b + u) * bb, sd[b + u - c0], qt == GQ4_1 ? sm[b + u - c0] : 0.0f, w);
+                for (int m = 0; m < mt; m++)
+                    for (int v = 0; v < NV; v++)
+                        acc[u * mt + m][v] = v_fma(w[v], v_load(x + m * K + (b + u) * 32 + v * VW), acc[u * mt + m][v]);
+            }
+        for (; b < c1; b++) { /* an odd last block */
             vf w[NV];
-            deq_block(qt, wr + (b + u) * bb, w);
+            deq_block(qt, wr + b * bb, sd[b - c0], qt == GQ4_1 ? sm[b - c0] : 0.0f, w);
             for (int m = 0; m < mt; m++)
-                for (int v = 0; v < NV; v++)
-                    acc[u * mt + m][v] = v_fma(w[v], v_load(x + m * K + (b + u) * 32 + v * VW), acc[u * mt + m][v]);
+                for (int v = 0; v < NV; v++) acc[m][v] = v_fma(w[v], v_load(x + m * K + b * 32 + v * VW), acc[m][v]);
         }
-    for (; b < nb; b++) {
-        vf w[NV];
-        deq_block(qt, wr + b * bb, w);
-        for (int m = 0; m < mt; m++)
-            for (int v = 0; v < NV; v++) acc[m][v] = v_fma(w[v], v_load(x + m * K + b * 32 + v * VW), acc[m][v]);
     }
     if (qt == GF32 && K % 32) { /* float32 rows of any K: the last columns as one zero-padded block */
         const int kt = (int)(K % 32);
         float wt[32] = {0}, xt[32] = {0};
         memcpy(wt, (const float *)wr + nb * 32, sizeof(float) * kt);
         vf w[NV];
-        deq_block(GF32, (const uint8_t *)wt, w);
+        deq_block(GF32, (const uint8_t *)wt, 0.0f, 0.0f, w);
         for (int m = 0; m < mt; m++) {
             memcpy(xt, x + m * K + nb * 32, sizeof(float) * kt);
             for (int v = 0; v < NV; v++) acc[m][v] = v_fma(w[v], v_load(xt + v * VW), acc[m][v]);
@@ -239,8 +265,33 @@ static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
     }
 }
 
-/* x [M, K] float32 (contiguous) @ dequant(w [N, K/32 blocks]).T -> out [M, N] float32 */
+#include "ggml_f32_panel.h"
+
+#if PANEL
+static int panel_min_rows = PANEL_MIN_ROWS; /* kernels/cpu/crossover.py sets it from a measurement */
+#endif
+/* the activation rows from which the panel kernel runs (0: this build has none) */
+void ggml_set_panel_min_rows(int n) {
+#if PANEL
+    panel_min_rows = n > 0 ? n : 1;
+#else
+    (void)n;
+#endif
+}
+int ggml_panel_min_rows(void) {
+#if PANEL
+    return panel_min_rows;
+#else
+    return 0;
+#endif
+}
+
+/* x [M, K] float32 (contiguous) @ dequant(w [N, K/32 blocks]).T -> out [M, N] float32: the panel
+ * kernel for many rows, the row tiles for few (the same bits) */
 int ggml_matmul_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
+#if PANEL
+    if (M >= panel_min_rows && qt != GF32) return panel_f32(x, w, M, N, K, qt, out);
+#endif
     gemv_f32(x, w, M, N, K, qt, out);
     return TF_OK;
 }
@@ -264,7 +315,8 @@ void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows,
         const uint8_t *wr = w + rows[r] * rb;
         for (int64_t b = 0; b < nb; b++) {
             vf v[NV];
-            deq_block(qt, wr + b * BLOCK_BYTES[qt], v);
+            const uint8_t *blk = wr + b * BLOCK_BYTES[qt];
+            deq_block(qt, blk, half_to_float(blk), qt == GQ4_1 ? half_to_float(blk + 2) : 0.0f, v);
             for (int i = 0; i < NV; i++) v_store(out + r * K + b * 32 + i * VW, v[i]);
         }
     }

@@ -361,4 +361,6 @@ def ggml_kernel_info() -> dict:
     bits = int(lib.ggml_isa())
     isa = "avx512" if bits & 1 else ("avx2" if bits & 2 else "scalar")
     return {"native": True, "isa": isa, "vnni": bool(bits & 4), "f16c": bool(bits & 8), "amx": amx, "amx_reason": why,
-            "q8_path": path, "q8_reason": path_why, "threads": torch.get_num_threads()}
+            "q8_path": path, "q8_reason": path_why, "threads": torch.get_num_threads(),
+            # f32 products of at least this many rows take the panel kernel (kernels/cpu/crossover.py)
+            "f32_panel_min_rows": int(lib.ggml_panel_min_rows())}
