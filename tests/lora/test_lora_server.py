@@ -113,14 +113,23 @@ def test_load_unload_over_http(live):
     ({"lora_name": "", "lora_path": "/tmp"}, 400, "lora_name"),
     ({"lora_name": "base", "lora_path": "/tmp"}, 400, "base model"),
     ({"lora_name": "q", "lora_path": "/tmp", "extra": 1}, 400, ""),
+    ({"lora_name": 7, "lora_path": "/tmp"}, 400, ""),
+    ({"lora_name": ["q"], "lora_path": "/tmp"}, 400, ""),
+    ('{"lora_name": "q", "lora_path": "/tmp/\\u0000x"}', 400, ""),  # raw JSON text from here on
+    ('{"lora_name": "q\\ud800", "lora_path": "/tmp"}', 400, ""),
+    ("[1, 2]", 400, ""),
+    ("{not json", 400, ""),
 ])
 def test_hostile_loads_are_4xx(live, body, status, fragment):
     server, adapters, _ = live
-    if body.get("lora_name") == "z":
+    if isinstance(body, dict) and body.get("lora_name") == "z":
         body = {"lora_name": "z", "lora_path": str(adapters["z"])}
         fragment = "max-lora-rank"
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        r = http.post("/v1/load_lora_adapter", json=body)
+        if isinstance(body, str):
+            r = http.post("/v1/load_lora_adapter", content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = http.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert fragment in err["message"] and err["type"]
