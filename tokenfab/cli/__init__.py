@@ -21,6 +21,7 @@ BENCH_COMMANDS = {
     "kernels": ("tokenfab.bench.kernels", "kernel microbenchmarks"),
     "engine": ("tokenfab.bench.engine", "end-to-end engine speed on a random model of a real shape"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
+    "fleet": ("tokenfab.bench.fleet", "N tokenfab serve behind vllm-router/sglang-router: prefix hit rate, TTFT"),
     "finetune": ("tokenfab.bench.finetune", "LoRA training tokens/s vs transformers + peft"),
     "flce-memory": ("tokenfab.bench.flce_memory", "peak memory of the loss step with vs without fused linear CE"),
     "ggml": ("tokenfab.bench.ggml", "packed GGUF matmul kernels (CPU) vs float32 torch, weight GB/s"),
