@@ -29,6 +29,10 @@ class EngineArgs:
     seed: int = 0  # the model's random init / tests; unseeded requests draw their seeds from OS entropy
     served_model_name: str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" (priority ignored) or "priority" (lower value runs first)
+    # background work (priority 2**31-1, e.g. /v1/batches; any policy) while online requests wait or prefill:
+    # the share of a step's tokens its prefill chunks may take, and whether its decodes go on (scheduler.py)
+    background_prefill_share: float = 0.0
+    background_decodes_while_online: bool = True
     # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
@@ -119,6 +123,14 @@ class EngineArgs:
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                             help="fcfs: first come, first served (request priority ignored); priority: lower "
                             "priority value first, then arrival; preemption takes the lowest-priority, newest")
+        parser.add_argument("--background-prefill-share", type=float, default=0.0,
+                            help="background requests (priority 2**31-1: /v1/batches lines) yield to online ones "
+                            "under any policy; while online requests wait or prefill, background prefill chunks get "
+                            "at most this share of a step's tokens (default 0: none)")
+        parser.add_argument("--no-background-decodes-while-online", dest="background_decodes_while_online",
+                            action="store_false",
+                            help="pause background decodes too while online requests wait or prefill (they then "
+                            "count in --background-prefill-share)")
         parser.add_argument("--async-scheduling", action="store_true",
                             help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
                             "tokens feed the next step without a host sync, stop checks run one step behind")

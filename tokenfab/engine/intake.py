@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfab.engine.requests.sampling_params import SamplingParams
-from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.requests.sequence import BACKGROUND_PRIORITY, Sequence
 
 
 def tokenize_prompt(tokenizer: Any, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -92,7 +92,7 @@ class RequestIntake:
         self.limits.check(ids, params)
         # unseeded: OS entropy (two servers, or two runs, never share their "random" draws)
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        if self.scheduling_policy != "priority":
-            priority = 0
+        if self.scheduling_policy != "priority" and priority != BACKGROUND_PRIORITY:
+            priority = 0  # fcfs: every online request equal; background work stays background under any policy
         return Sequence(request_id, text, ids, params, base_seed, priority, next(self._arrivals), arrival_time,
                         cache_salt)

@@ -5,6 +5,15 @@ longer than the budget is prefilled over several steps (chunked prefill). When a
 request needs a block and none is free, the lowest-priority, newest running request is
 preempted: its blocks are freed and it goes back to the waiting queue with its generated
 tokens kept, to be recomputed later (reusing whatever prefix is still cached).
+
+Background work (``Sequence.is_background``: the lowest priority, what the Batches worker submits)
+yields to online work whatever the scheduling policy, in the manner of vLLM's and SGLang's priority
+scheduling. While an online request waits or prefills, a step runs: the online running sequences;
+then waiting online prompts, admitted in order, each preempting the newest running background
+sequences when a sequence slot or KV blocks are short; then background decodes (unless
+``background_decodes_while_online`` is off) and background prefill chunks and admissions, the latter
+within ``background_prefill_share`` of the step's token budget. With no online work waiting or
+prefilling, background work is scheduled like any other and may use the whole budget.
 """
 
 from __future__ import annotations
@@ -57,11 +66,19 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        background_prefill_share: float = 0.0,
+        background_decodes_while_online: bool = True,
     ) -> None:
+        if not 0.0 <= background_prefill_share <= 1.0:
+            raise ValueError(f"background_prefill_share must be in [0, 1], got {background_prefill_share!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Sequence] = []  # sorted by sort_key
+        # while online work waits or prefills: the share of the step's tokens that background prefill chunks
+        # (and background decodes, when those are paused) may take, and whether background decodes go on
+        self.background_prefill_share = background_prefill_share
+        self.background_decodes_while_online = background_decodes_while_online
+        self.waiting: list[Sequence] = []  # sorted by sort_key (background last: its priority is the largest)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions_total = 0
 
@@ -82,27 +99,69 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Send a running sequence back to the queue (taken out of this step's batch if it was in it);
+        returns the tokens it gave back to the step's budget."""
+        given_back = 0
+        if seq in batch.seqs:  # already scheduled this step
+            given_back = batch.remove(batch.seqs.index(seq))
         self.running.remove(seq)
         self.bm.free(seq)
         seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
         self.add(seq)
+        batch.preempted.append(seq)
+        return given_back
 
     def _victim(self) -> Sequence:
         """The running sequence to preempt: lowest priority (largest key), newest."""
         return max(self.running, key=lambda s: s.sort_key)
 
+    def online_pending(self) -> bool:
+        """Whether an online request waits or prefills: then background work yields to it."""
+        if self.waiting and not self.waiting[0].is_background:
+            return True
+        return any(not s.is_background and not s.is_decoding for s in self.running)
+
     # ---- the step's batch -----------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        # 1. running sequences: decodes first, then unfinished prefill chunks
-        ordered = sorted(self.running, key=lambda s: (not s.is_decoding, s.sort_key))
+        if not self.online_pending():
+            # only background work, or online decodes: everything in the old order, the whole budget
+            budget = self._schedule_running(batch, self.running, self.max_num_batched_tokens)
+            self._admit(batch, budget, online=False)
+            return batch
+        online = [s for s in self.running if not s.is_background]
+        background = [s for s in self.running if s.is_background]
+        self._schedule_running(batch, online, self._budget_left(batch))
+        self._admit(batch, self._budget_left(batch), online=True)
+        # background: decodes within what is left, prefill chunks (and admissions) within the share
+        decoding = self.background_decodes_while_online
+        self._schedule_running(batch, [s for s in background if decoding and s.is_decoding], self._budget_left(batch))
+        share = int(self.background_prefill_share * self.max_num_batched_tokens)
+        capped = [s for s in background if not (decoding and s.is_decoding)]
+        self._schedule_running(batch, capped, min(self._budget_left(batch), share - self._capped_tokens(batch)))
+        self._admit(batch, min(self._budget_left(batch), share - self._capped_tokens(batch)), online=False)
+        return batch
+
+    def _budget_left(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_prefill_tokens - batch.num_decode_tokens
+
+    def _capped_tokens(self, batch: ScheduledBatch) -> int:
+        """Tokens of the step's batch under the background share: background prefill chunks, and
+        background decodes when those are paused while online work is pending."""
+        decoding = self.background_decodes_while_online
+        return sum(n for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.is_decode)
+                   if s.is_background and not (decoding and d))
+
+    def _schedule_running(self, batch: ScheduledBatch, seqs: list[Sequence], budget: int) -> int:
+        """Schedule running sequences, decodes first, then unfinished prefill chunks; a sequence short of
+        blocks preempts the lowest-priority, newest running ones (itself included). Returns the budget left."""
+        ordered = sorted(seqs, key=lambda s: (not s.is_decoding, s.sort_key))
         for seq in ordered:
             if seq.status != SequenceStatus.RUNNING or seq.length_capped:
-                # preempted earlier in this loop (a status check: list membership is O(n)), or its
+                # preempted earlier in this step (a status check: list membership is O(n)), or its
                 # pending token ends it (overlap scheduling): nothing more to compute
                 continue
             if budget <= 0:
@@ -114,11 +173,7 @@ class Scheduler:
                 del seq.spec_token_ids[max(n - (seq.num_tokens - seq.num_computed_tokens), 0):]
             while not self.bm.can_allocate(seq, n):
                 victim = self._victim()
-                if victim in batch.seqs:  # already scheduled this step: take it back out
-                    i = batch.seqs.index(victim)
-                    budget += batch.remove(i)
-                self._preempt(victim)
-                batch.preempted.append(victim)
+                budget += self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -126,9 +181,31 @@ class Scheduler:
             self.bm.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
-        # 2. waiting sequences, in order, while they fit (no admission in a step that preempted)
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+        return budget
+
+    def _preempt_background(self, batch: ScheduledBatch) -> bool:
+        """Make room for an online request: preempt the newest running background sequence, if any."""
+        victims = [s for s in self.running if s.is_background]
+        if not victims:
+            return False
+        self._preempt(max(victims, key=lambda s: s.sort_key), batch)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, budget: int, online: bool) -> None:
+        """Admit waiting sequences in order while they fit. ``online``: the online ones only, each making
+        room by preempting background sequences, and none after a step preempted an online sequence;
+        otherwise none in a step that preempted anything."""
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if online and (seq.is_background or any(not s.is_background for s in batch.preempted)):
+                break
+            if not online and batch.preempted:
+                break
+            if len(self.running) >= self.max_num_seqs:
+                if online and self._preempt_background(batch):
+                    budget = self._budget_left(batch)
+                    continue
+                break
             if not seq.block_table:
                 cached = self.bm.allocate_cached_prefix(seq)
                 if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
@@ -136,10 +213,12 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.bm.allocate(seq, n):
                 self.bm.free(seq)  # give back prefix hits; it stays first in line
+                if online and self._preempt_background(batch):
+                    budget = self._budget_left(batch)
+                    continue
                 break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
-        return batch

@@ -9,6 +9,11 @@ from tokenfab.engine.requests.lora_request import LoRARequest
 from tokenfab.engine.requests.outputs import Logprob
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
+# Requests at this priority (the largest the engine takes; the Batches worker submits at it) are background
+# work, whatever the scheduling policy: they run only in the sequence slots, KV blocks and step tokens that
+# online requests leave, and are preempted to make room for them (engine/requests/scheduler.py).
+BACKGROUND_PRIORITY = 2**31 - 1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -84,6 +89,10 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority, then arrival (FCFS)."""
         return (self.priority, self.arrival_index)
+
+    @property
+    def is_background(self) -> bool:
+        return self.priority >= BACKGROUND_PRIORITY
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from starlette.types import Message
 
 from tokenfab.engine.core.async_engine import RequestStream
 from tokenfab.engine.requests.sampling_params import SamplingParams
+from tokenfab.engine.requests.sequence import BACKGROUND_PRIORITY
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, validation_message
@@ -28,22 +29,21 @@ from tokenfab.server.responses_store import ResponseStore
 from tokenfab.server.serving import OpenAIServer
 
 logger = logging.getLogger("tokenfab.server.batch")
-BATCH_PRIORITY = 2**31 - 1  # the largest value the engine takes: scheduled after every online request
+BATCH_PRIORITY = BACKGROUND_PRIORITY  # background work under any scheduling policy: it yields to online requests
 Handler = Callable[[Any, Request], Awaitable[Response]]
 
 
 class BatchPriorityServer(OpenAIServer):
     """The online server's own state (the same object dictionary: tokenizer pool, metrics, engine), whose
-    ``submit`` puts every request at the lowest priority when the engine runs the priority policy (under
-    fcfs the engine ignores priorities; see docs/batches.md on isolation)."""
+    ``submit`` puts every request at the background priority, which the engine honours under any scheduling
+    policy (see docs/batches.md on isolation)."""
 
     def __init__(self, server: OpenAIServer) -> None:
         self.__dict__ = server.__dict__  # a view of the same server: its __init__ is not run again
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int, arrival: float,
                      request_id: str, cache_salt: str | None = None) -> RequestStream:
-        low = BATCH_PRIORITY if self.engine.scheduling_policy == "priority" else 0
-        return await super().submit(prompts, params, low, arrival, request_id, cache_salt)
+        return await super().submit(prompts, params, BATCH_PRIORITY, arrival, request_id, cache_salt)
 
 
 async def _never_disconnect() -> Message:
