@@ -30,6 +30,9 @@ from tokenfab.server.batch.routes import add_routes as add_batch_routes
 from tokenfab.server.chat import create_chat_completion
 from tokenfab.server.completions import create_completion
 from tokenfab.server.errors import APIError, error_body, error_response, install_exception_handlers
+from tokenfab.server.finetune.config import FineTuningConfig
+from tokenfab.server.finetune.routes import FineTuningService
+from tokenfab.server.finetune.routes import add_routes as add_fine_tuning_routes
 from tokenfab.server.fleet_routes import add_routes as add_fleet_routes
 from tokenfab.server.limits import BodySizeLimitMiddleware
 from tokenfab.server.lora_routes import add_routes as add_lora_routes
@@ -52,20 +55,27 @@ from tokenfab.server.serving import OpenAIServer, ServerConfig
 __all__ = ["APIError", "OpenAIServer", "ServerConfig", "build_app", "error_body", "error_response"]
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: BatchConfig | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: BatchConfig | None = None,
+              fine_tuning: FineTuningConfig | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and drains it on shutdown. With ``batch``, the
-    Files and Batches APIs (``batch/``) and their worker."""
+    Files and Batches APIs (``batch/``) and their worker; with ``fine_tuning`` too, /v1/fine_tuning/jobs
+    (``finetune/``) on the same database."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
     responses_store = ResponseStore(config.responses_store_size, config.responses_ttl)
     batches = BatchService(server, batch, responses_store) if batch is not None else None
+    tuning = FineTuningService(server, batches, fine_tuning) if batches is not None and fine_tuning else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         if batches is not None:
             batches.start()
+        if tuning is not None:
+            tuning.start()
         yield
+        if tuning is not None:  # a running job's training process is killed; the job fails after the lease
+            await tuning.stop()
         if batches is not None:  # its lines in flight are aborted; they run again after a restart
             await batches.stop()
         # uvicorn has already waited for in-flight HTTP requests (graceful shutdown); drain what
@@ -76,6 +86,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
     app = FastAPI(title="tokenfab", version="0.1.0", lifespan=lifespan)
     app.state.server = server
     app.state.batches = batches
+    app.state.fine_tuning = tuning
     install_exception_handlers(app, server.metrics.error)
     auth = (401,) if config.api_key else ()
     body_errors = error_responses(400, *auth, 413, 503)
@@ -94,6 +105,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, batch: Ba
     add_responses_routes(app, server, responses_store, auth)
     if batches is not None:
         add_batch_routes(app, batches, auth)
+    if tuning is not None:
+        add_fine_tuning_routes(app, tuning, auth)
     add_lora_routes(app, server)  # --enable-lora: /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_fleet_routes(app, server)  # what the routers call: /get_load, server and model info, /health_generate
 

@@ -11,6 +11,7 @@ import time
 from tokenfab.distributed import admission
 from tokenfab.engine.args import EngineArgs
 from tokenfab.server.batch import config as batch_config
+from tokenfab.server.finetune import config as fine_tuning_config
 
 # Only argparse, EngineArgs and the (torch-free) admission rules at import time: `tokenfab --help` imports
 # every command's module, and this one must not pull in torch, FastAPI and the server for that. `run` imports
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the port, all served by one engine core (default 1)")
     batch_config.add_cli_args(parser)
+    fine_tuning_config.add_cli_args(parser)
     g.add_argument("--load-report", default="vllm-router", choices=["vllm-router", "sglang-router"],
                    help="the shape of GET /get_load, which the routers poll for power_of_two: vllm-router's "
                    "{\"load\": N} or sglang-router's per-rank list (the two cannot read each other's; default "

@@ -13,6 +13,7 @@ import uvicorn
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.server.app import build_app
 from tokenfab.server.batch.config import BatchConfig
+from tokenfab.server.finetune.config import FineTuningConfig
 from tokenfab.server.serving import ServerConfig
 
 
@@ -67,7 +68,7 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           enable_lora=getattr(args, "enable_lora", False),
                           lora_modules=getattr(args, "lora_modules", None),
                           max_lora_rank=getattr(args, "max_lora_rank", None))
-    app = build_app(async_engine, config, BatchConfig.from_cli_args(args))
+    app = build_app(async_engine, config, BatchConfig.from_cli_args(args), FineTuningConfig.from_cli_args(args))
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=max(1, int(args.drain_timeout)), timeout_keep_alive=30,
