@@ -13,7 +13,7 @@ class FineTuningConfig:
     device: str | None = None  # the training subprocess's device ("cpu", "cuda", "cuda:1"); None: CUDA if any
     python: str = field(default_factory=lambda: sys.executable)  # the interpreter the subprocess runs on
     lease_seconds: float = 30.0  # a running job whose server stopped renewing this long ago is failed
-    poll_seconds: float = 1.0  # how often the worker looks for queued jobs (it is also woken at once)
+    poll_seconds: float = 2.0  # how often the worker looks for queued jobs (it is also woken at once)
     worker: bool = True  # run the job worker in this process
 
     @classmethod
