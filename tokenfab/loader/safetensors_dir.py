@@ -18,15 +18,21 @@ def load_hf_config(model_dir: Path) -> Any:
     if not cfg_path.is_file():
         raise ModelLoadError(model_dir, "no config.json in the model directory")
     try:
-        json.loads(cfg_path.read_text())
+        raw = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(cfg_path, f"config.json is not valid JSON ({e})") from e
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(model_dir))
     except (ValueError, KeyError, OSError) as e:
         raise ModelLoadError(cfg_path, f"cannot read the model config: {e}") from e
+    # a multimodal wrapper (Kimi K2.5's kimi_k25) without its text_config would silently get transformers'
+    # default text model (full-size DeepSeek-V3 for Kimi), not the checkpoint's
+    if "text_config" in (getattr(config, "sub_configs", None) or {}) and not isinstance(raw.get("text_config"), dict):
+        raise ModelLoadError(cfg_path, f"model_type {raw.get('model_type')!r} is a multimodal wrapper whose "
+                                       "`text_config` (the language model's config) is missing from config.json")
+    return config
 
 
 def _allowed_roots(model_dir: Path) -> list[Path]:
