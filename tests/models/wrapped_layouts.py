@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -76,3 +77,72 @@ def write_kimi_k25(src: Path, dst: Path, vision: bool = True) -> Path:
         tensors.update(_vision_tensors(text["hidden_size"]))
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+# ------------------------------------------------------------------ GigaChat3
+
+# DeepSeek-V3 shape as GigaChat3 configures it (MLA, sigmoid grouped routing with shared experts, one MTP layer)
+GIGACHAT3 = dict(num_hidden_layers=3, first_k_dense_replace=1, num_nextn_predict_layers=1)
+
+
+def write_gigachat3(path: Path, **overrides: Any) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """A tiny GigaChat3 at ``path``: transformers' DeepseekV3ForCausalLM (random, fp32) + its MTP layer at index
+    ``num_hidden_layers`` (DeepSeek's published per-expert layout, a second shard); returns
+    (hf model, hf MTP layer, MTP extras) for the references of tests/speculative/test_mtp.py."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from tests.models.test_deepseek import DEEPSEEK_COMMON, save_tiny_deepseek
+    from tests.speculative.test_mtp import write_mtp_layer
+
+    kw = {**GIGACHAT3, **overrides}
+    hf = save_tiny_deepseek(path, **kw)
+    n = kw["num_hidden_layers"]
+    config = transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, **kw})
+    layer, extras = write_mtp_layer(path, DeepseekV3DecoderLayer, config, n)
+    return hf, layer, extras
+
+
+# a word-level vocabulary whose pieces concatenate (Fuse decoder) into GigaChat3's tool-call text
+FORCED_PIECES = ["function call", "<|role_sep|>", "\n", '{"name": "add", "arguments": ', '{"a": 1, "b": 2}', "}"]
+FORCED_TEXT = "".join(FORCED_PIECES)
+GIGACHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}"
+                     "{# tools are called as: function call<|role_sep|> then a JSON object #}assistant")
+
+
+def write_forced_gigachat3(path: Path) -> Path:
+    """A GigaChat3-layout checkpoint (DeepSeek-V3 + MTP layer) whose greedy output after any prompt is
+    ``FORCED_TEXT`` then EOS: every layer's output projections are zero, so the final hidden state is the
+    last token's one-hot embedding, and ``lm_head`` maps each token to its successor in ``FORCED_PIECES``
+    (any other token to the first piece, the last piece to ``</s>``). Its tokenizer is word-level over those
+    pieces with a chat template that names GigaChat3's call marker (so the gigachat3 tool parser is picked)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", *FORCED_PIECES]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    hidden = 64
+    write_gigachat3(path, vocab_size=len(words), bos_token_id=1, eos_token_id=2, hidden_size=hidden)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "chat_template": GIGACHAT_TEMPLATE}))
+    first = vocab[FORCED_PIECES[0]]
+    succ = {i: first for i in range(len(words))}
+    for a, b in zip(FORCED_PIECES, [*FORCED_PIECES[1:], "</s>"]):
+        succ[vocab[a]] = vocab[b]
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if "o_proj" in name or "down_proj" in name:
+            tensors[name] = torch.zeros_like(tensors[name])
+    embed = torch.zeros(len(words), hidden)
+    embed[torch.arange(len(words)), torch.arange(len(words))] = 1.0
+    head = torch.zeros(len(words), hidden)
+    for i, j in succ.items():
+        head[j, i] = 1.0
+    tensors["model.embed_tokens.weight"], tensors["lm_head.weight"] = embed, head
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
