@@ -155,6 +155,9 @@ def test_cancel_kills_the_training_process(live):
         time.sleep(0.2)
     pid = worker.process.pid
     os.kill(pid, 0)  # alive
+    bad = client.fine_tuning.jobs.create(model="base", training_file=_upload(client, ["{"]).id)
+    assert _wait(client, bad.id, ("failed",), timeout=30).error.code == "invalid_training_file"  # checked meanwhile
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "running"
     cancelled = client.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == "cancelled"
     deadline = time.monotonic() + 30
@@ -181,6 +184,10 @@ def test_bad_training_lines_fail_the_job_with_the_line_number(live):
         failed = _wait(client, job.id, ("failed", "succeeded", "queued", "running"), timeout=30)
         assert failed.status == "failed" and failed.error.code == "invalid_training_file", failed
         assert fragment in failed.error.message and failed.error.param == "training_file"
+    valid_bad = client.fine_tuning.jobs.create(model="base", training_file=_upload(client, TRAIN).id,
+                                               validation_file=_upload(client, [TRAIN[0], "[]"]).id)
+    failed = _wait(client, valid_bad.id, ("failed", "succeeded", "queued", "running"), timeout=30)
+    assert failed.error.code == "invalid_validation_file" and "line 2" in failed.error.message, failed
     with httpx.Client(base_url=server.url) as http:  # a finished job cannot be cancelled
         assert_error(http.post(f"/v1/fine_tuning/jobs/{job.id}/cancel"), 409, "fine_tuning_job_id")
 
@@ -259,17 +266,63 @@ def test_a_job_whose_server_died_fails_when_its_lease_runs_out(live):
     assert failed.error.code == "worker_lost"
 
 
-def test_without_enable_lora_the_job_says_the_adapter_is_not_served(base, tmp_path):
+def test_without_enable_lora_not_served_then_served_after_a_restart_with_it(base, tmp_path):
+    """Without --enable-lora: the job succeeds, an event says the adapter is not served, /v1/models omits it; a
+    full fine-tuning job writes a model folder; a server restarted with --enable-lora on the same data dir serves
+    the LoRA job's adapter."""
     server, app = _serve(base[0], tmp_path / "data", enable_lora=False)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         train = _upload(client, TRAIN)
         job = client.fine_tuning.jobs.create(model="base", training_file=train.id, suffix="x",
                                              hyperparameters={"n_epochs": 1, "batch_size": 6})
+        full = client.fine_tuning.jobs.create(model="base", training_file=train.id, suffix="full", method={
+            "type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 6, "lora": False}}})
         done = _wait(client, job.id, ("succeeded", "failed"))
         assert done.status == "succeeded", done.error
         messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=50).data]
         assert any("without --enable-lora" in m for m in messages)
         assert done.fine_tuned_model not in {m.id for m in client.models.list().data}
+        full_done = _wait(client, full.id, ("succeeded", "failed"))
+        assert full_done.status == "succeeded", full_done.error
+        model_dir = tmp_path / "data" / "fine_tuning" / full.id / "model"
+        assert (model_dir / "config.json").is_file() and list(model_dir.glob("*.safetensors"))
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(full.id, limit=50).data]
+        assert any("tokenfab serve" in m for m in messages)
     finally:
         server.stop()
+    server, app = _serve(base[0], tmp_path / "data", enable_lora=True)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 30
+        while done.fine_tuned_model not in {m.id for m in client.models.list().data}:
+            assert time.monotonic() < deadline, "the succeeded job's adapter is not served after the restart"
+            time.sleep(0.1)
+        assert full_done.fine_tuned_model not in {m.id for m in client.models.list().data}
+        out = client.chat.completions.create(model=done.fine_tuned_model, messages=CHAT, max_tokens=2)
+        assert out.model == done.fine_tuned_model
+    finally:
+        server.stop()
+
+
+def test_the_training_process_exits_when_its_server_goes(base, tmp_path):
+    """stdin closed (its server died) while it trains: the job process exits on its own (status 3)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": base[0], "train": str(data), "output_dir": str(tmp_path / "o"),
+                                "epochs": 50, "batch_size": 1, "device": "cpu"}))
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.train.job", str(spec)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for line in proc.stdout:
+            if json.loads(line)["event"] == "step":
+                break
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 3
+    finally:
+        proc.kill()
+        proc.wait()

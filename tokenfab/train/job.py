@@ -65,7 +65,7 @@ class ReportingTrainer(Trainer):
 def _watch_parent() -> None:
     """Exit as soon as stdin reaches EOF: the server holds the other end and closes it only by dying."""
     def watch() -> None:
-        while sys.stdin.buffer.read(1 << 16):
+        while os.read(0, 1 << 16):  # the raw descriptor: no buffered reader's lock held at interpreter exit
             pass
         os._exit(3)
 

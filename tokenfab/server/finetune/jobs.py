@@ -28,7 +28,8 @@ def job_object(row: FineTuningJobRow) -> dict[str, Any]:
             "model": row.model, "organization_id": "org-tokenfab", "result_files": row.result_files or [],
             "seed": row.seed, "status": row.status, "trained_tokens": row.trained_tokens,
             "training_file": row.training_file, "validation_file": row.validation_file, "estimated_finish": None,
-            "integrations": None, "metadata": row.metadata_, "method": row.method, "suffix": row.suffix}
+            "integrations": None, "metadata": row.metadata_, "method": row.method,
+            "user_provided_suffix": row.suffix}
 
 
 def event_object(row: FineTuningEventRow) -> dict[str, Any]:

@@ -214,6 +214,8 @@ class JobWorker:
                 await asyncio.wait({reader}, timeout=self.config.poll_seconds)
                 if await self.db.run(lambda s: self._heartbeat(s, job.id)) != "running":
                     self._kill()  # cancelled (or failed by someone else): stop training at once
+                await self._fail_lost()  # the rest of the worker's rounds goes on while a job trains
+                await self._validate_next()
             await reader
             await proc.wait()
         finally:
