@@ -108,3 +108,26 @@ def test_missing_language_model_tensor_is_a_clear_error(kimi, tmp_path):
     with pytest.raises(ModelLoadError) as e:
         small_engine(bad)
     assert "missing" in str(e.value) and "layers.1.self_attn.kv_b_proj" in str(e.value)
+
+
+def test_image_parts_are_refused_with_a_400(kimi):
+    """Text only: a chat message with an image part is a 400 with an OpenAI error body, and the server
+    still answers the next request."""
+    from fastapi.testclient import TestClient
+
+    from tests.server.inprocess import assert_error
+    from tokenfab import LLM
+    from tokenfab.engine.core.async_engine import AsyncEngine
+    from tokenfab.server.app import ServerConfig, build_app
+
+    llm = LLM(model=str(kimi["plain"]), block_size=4, num_kv_blocks=64)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": llm.engine.model_name, "max_tokens": 3,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}]}
+    with TestClient(build_app(AsyncEngine(llm.engine), ServerConfig(drain_timeout=1)),
+                    raise_server_exceptions=False) as client:
+        assert_error(client.post("/v1/chat/completions", json=body), 400)
+        ok = client.post("/v1/completions", json={"model": llm.engine.model_name, "prompt": [1, 2, 3],
+                                                  "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["finish_reason"] == "length"
