@@ -326,3 +326,25 @@ def test_the_training_process_exits_when_its_server_goes(base, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_schemathesis_on_the_fine_tuning_routes_never_5xx(tmp_path):
+    """Every fine-tuning operation fuzzed from the OpenAPI document (valid and invalid bodies, over a fake
+    engine): no 5xx, every error in OpenAI's body."""
+    import schemathesis
+
+    from tests.server.fake_engine import FakeEngine
+    from tests.server.fuzzing import run_schemathesis
+
+    engine = AsyncEngine(FakeEngine(step_time=0.0, max_model_len=64))
+    app = build_app(engine, ServerConfig(drain_timeout=0), BatchConfig(data_dir=tmp_path),
+                    FineTuningConfig(base_model=None, device="cpu"))
+    engine.start()
+    try:
+        schema = schemathesis.openapi.from_asgi("/openapi.json", app).include(path_regex="fine_tuning")
+        report = run_schemathesis(schema, max_examples=20)
+    finally:
+        engine.shutdown(0)
+        app.state.batches.db.close()
+    assert len(report.by_operation) == 6 and report.requests >= 6 * 20
+    assert report.server_errors == 0 and not report.failures, report.failures
