@@ -36,7 +36,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
 @pytest.fixture(scope="module")
 def giga(tmp_path_factory):
     path = tmp_path_factory.mktemp("gigachat3")
-    hf, _, _ = write_gigachat3(path, q_lora_rank=None)  # plain q_proj, as in the Lightning config
+    hf, _, _ = write_gigachat3(path, q_lora_rank=None)  # plain q_proj (the q_lora path is in test_kimi_k25)
     return hf, path
 
 
