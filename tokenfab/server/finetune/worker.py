@@ -53,6 +53,7 @@ class JobWorker:
         self.root = files.root
         self.process: asyncio.subprocess.Process | None = None  # the running job's subprocess
         self._wake = asyncio.Event()
+        self._offered: set[str] = set()  # adapters of succeeded jobs already handed to on_adapter
         self._task: asyncio.Task | None = None
 
     @property
@@ -79,9 +80,9 @@ class JobWorker:
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def _loop(self) -> None:
-        await self._serve_finished()
         while True:
             try:
+                await self._serve_finished()
                 await self._fail_lost()
                 await self._validate_next()
                 job = await self.db.run(self._claim)
@@ -97,13 +98,16 @@ class JobWorker:
                 await asyncio.wait_for(self._wake.wait(), self.config.poll_seconds)
 
     async def _serve_finished(self) -> None:
-        """Adapters of jobs that succeeded before this server started are served again."""
+        """Serve the adapters of succeeded jobs this worker has not offered yet: those finished before this server
+        started, or by another API server on the same database. Each is offered once (an adapter unloaded through
+        /v1/unload_lora_adapter stays unloaded)."""
         rows = await self.db.run(lambda s: list(s.scalars(select(FineTuningJobRow).where(
             FineTuningJobRow.status == "succeeded", FineTuningJobRow.model == self.base_name,
             FineTuningJobRow.adapter_path.is_not(None)))))
         for row in rows:
             path = self.root / row.adapter_path
-            if path.is_dir():
+            if row.fine_tuned_model not in self._offered and path.is_dir():
+                self._offered.add(row.fine_tuned_model)
                 self.on_adapter(row.fine_tuned_model, str(path))
 
     async def _fail_lost(self) -> None:
@@ -270,7 +274,9 @@ class JobWorker:
     async def _finish(self, job: FineTuningJobRow, rc: int | None, outcome: dict, log_path: Path) -> None:
         served: str | None = None
         name = model_name(self.base_name, job.suffix, job.id)
-        if outcome.get("event") == "succeeded" and not outcome.get("full"):
+        if outcome.get("event") == "succeeded" and not outcome.get("full") and \
+                await self.db.run(lambda s: self._heartbeat(s, job.id)) == "running":  # not cancelled meanwhile
+            self._offered.add(name)
             served = self.on_adapter(name, outcome["path"])  # on the event loop, where the registry lives
 
         def record(s: Session) -> None:
