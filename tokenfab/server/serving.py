@@ -67,6 +67,9 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.metrics = ServerMetrics(self.model_name, stats=engine.stats, waiting=engine.num_waiting)
+        # the engine's metric hooks are this front end's while it is open; close() gives the previous
+        # front end on the same engine (tests run several over one engine) its hooks back
+        self._previous_hooks = (engine.on_first_token, engine.on_finished)
         engine.on_first_token = self.metrics.on_first_token
         engine.on_finished = self.metrics.on_finished
         self._structured: Any = None
@@ -83,6 +86,8 @@ class OpenAIServer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine.on_first_token == self.metrics.on_first_token:
+            self.engine.on_first_token, self.engine.on_finished = self._previous_hooks
 
     # ---- off the event loop ----
     async def offload(self, fn: Callable[..., T], *args: Any, param: str | None = None) -> T:
