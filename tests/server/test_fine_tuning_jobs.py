@@ -210,6 +210,8 @@ def test_bad_training_lines_fail_the_job_with_the_line_number(live):
      "hyperparameters"),
     ({"model": "base", "training_file": "FILE", "suffix": "no spaces allowed"}, 400, "suffix"),
     ({"model": "base", "training_file": "FILE", "seed": -1}, 400, "seed"),
+    ({"model": "base", "training_file": "FILE", "seed": "5"}, 400, "seed"),
+    ({"model": "base", "training_file": "FILE", "seed": True}, 400, "seed"),
     ({"model": "base", "training_file": "FILE", "metadata": {"k": 1}}, 400, "metadata"),
     ({"model": "base", "training_file": "FILE", "surprise": 1}, 400, "surprise"),
     ({"model": 7, "training_file": "FILE"}, 400, "model"),

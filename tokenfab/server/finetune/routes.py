@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tokenfab.server.batch.routes import BatchService
 from tokenfab.server.finetune.config import FineTuningConfig
@@ -26,7 +26,7 @@ class CreateFineTuningJobRequest(BaseModel):
     method: dict[str, Any] | None = None
     hyperparameters: dict[str, Any] | None = None  # the legacy place of method.supervised.hyperparameters
     suffix: str | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     metadata: dict[str, Any] | None = None
     integrations: list[Any] | None = None  # accepted and ignored (no Weights & Biases here)
 
