@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None,
+                   help="GGUF mode of our engine (gguf, gguf-q8act, none; default: packed gguf on CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
@@ -112,7 +114,7 @@ def run_tokenfab(args: argparse.Namespace, allocator: str = "tuned") -> tuple[di
 
     tuned = apply_allocator(allocator)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
     vocab = llm.engine.vocab_size
     prompts = make_requests(args.num_requests, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
     warm = make_requests(args.warmup_requests, args.min_prompt_len, args.max_prompt_len, vocab,
@@ -125,7 +127,8 @@ def run_tokenfab(args: argparse.Namespace, allocator: str = "tuned") -> tuple[di
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     eng = llm.engine
-    settings = {"dtype": str(eng.dtype), "device": str(eng.device), "max_num_seqs": args.max_num_seqs,
+    settings = {"dtype": str(eng.dtype), "device": str(eng.device), "quantization": args.quantization or "default",
+                "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "allocator_tuned": tuned,
                 "warmup": f"{len(warm)} fresh prompts x {args.warmup_tokens} tokens", **_threads()}
     res = {"engine": "tokenfab", "allocator": allocator, "seconds": dt, "output_tokens": n_out,
