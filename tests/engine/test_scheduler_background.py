@@ -271,11 +271,28 @@ def test_waiting_online_requests_keep_arrival_order_and_background_goes_last():
     assert order == ["r1", "r2", "r3", "r0"]
 
 
+def test_the_background_step_cap_holds_alone_and_under_the_share():
+    s = make(budget=16, background_max_prefill_tokens=5, background_prefill_share=0.5)
+    s.add(req(0, 3, BG))
+    s.add(req(1, 9, BG))
+    assert step(s) == {"r0": 3, "r1": 2}  # alone: 5 background prefill tokens a step, admissions included
+    assert step(s) == {"r0": 1, "r1": 5}  # decodes are not capped
+    s.add(req(2, 4))
+    assert step(s) == {"r2": 4, "r0": 1, "r1": 2}  # the smaller of the cap and the share (8) applies
+    s.max_num_batched_tokens = 6
+    s.add(req(3, 4))
+    assert step(s) == {"r2": 1, "r3": 4, "r0": 1}  # the budget binds before either
+    assert step(s) == {"r2": 1, "r3": 1, "r0": 1, "r1": 1}  # r1 (its prompt done last step) decodes again
+
+
 def test_the_background_share_must_be_a_fraction():
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="background_prefill_share"):
             make(background_prefill_share=bad)
     make(background_prefill_share=1.0)
+    with pytest.raises(ValueError, match="background_max_prefill_tokens"):
+        make(background_max_prefill_tokens=0)
+    make(background_max_prefill_tokens=1)
 
 
 @pytest.mark.parametrize("policy, given, kept", [
@@ -301,10 +318,14 @@ def drain(engine: LLMEngine, done: dict[str, list[int]], steps: int = 1) -> None
                 done[out.request_id] = list(out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlap"])
-def test_preempted_background_requests_finish_with_unchanged_greedy_tokens(tiny_llama_dir, async_scheduling):
+@pytest.mark.parametrize("kw", [
+    {}, {"async_scheduling": True},
+    {"background_max_prefill_tokens": 16, "background_decodes_while_online": False, "background_prefill_share": 0.1},
+], ids=["sync", "overlap", "capped"])
+def test_preempted_background_requests_finish_with_unchanged_greedy_tokens(tiny_llama_dir, kw):
     """Under fcfs: 4 background requests fill the 4 sequence slots; 3 online requests arrive, each preempting the
-    newest background one; every request's greedy tokens equal those of the request run alone."""
+    newest background one; every request's greedy tokens equal those of the request run alone (capped: background
+    prompts prefilled 16 tokens a step, decodes paused while online work is pending)."""
     alone = LLMEngine(model=tiny_llama_dir, num_kv_blocks=400, block_size=4, enable_prefix_caching=False)
     expected: dict[str, list[int]] = {}
     for tag, prompts in (("b", BG_PROMPTS), ("o", ONLINE_PROMPTS)):
@@ -314,12 +335,13 @@ def test_preempted_background_requests_finish_with_unchanged_greedy_tokens(tiny_
                 drain(alone, expected)
 
     eng = LLMEngine(model=tiny_llama_dir, num_kv_blocks=400, block_size=4, max_num_seqs=4,
-                    max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=async_scheduling)
+                    max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
     assert eng.scheduling_policy == "fcfs"
     done: dict[str, list[int]] = {}
     for i, p in enumerate(BG_PROMPTS):
         eng.add_request(f"b{i}", p, GREEDY, priority=BG)
-    drain(eng, done, steps=3)  # all four decoding
+    while not all(q.is_decoding for q in eng.scheduler.running) or eng.scheduler.waiting:
+        drain(eng, done)  # until all four decode
     assert len(eng.scheduler.running) == 4 and not done
     for i, p in enumerate(ONLINE_PROMPTS):
         eng.add_request(f"o{i}", p, GREEDY)

@@ -33,6 +33,7 @@ class EngineArgs:
     # the share of a step's tokens its prefill chunks may take, and whether its decodes go on (scheduler.py)
     background_prefill_share: float = 0.0
     background_decodes_while_online: bool = True
+    background_max_prefill_tokens: int | None = None  # background prefill tokens in any one step (None: no cap)
     # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
@@ -131,6 +132,9 @@ class EngineArgs:
                             action="store_false",
                             help="pause background decodes too while online requests wait or prefill (they then "
                             "count in --background-prefill-share)")
+        parser.add_argument("--background-max-prefill-tokens", type=int, default=None,
+                            help="at most this many background prefill tokens in any step, online work or not "
+                            "(default: no cap); bounds the step an arriving online request waits behind (CPU)")
         parser.add_argument("--async-scheduling", action="store_true",
                             help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
                             "tokens feed the next step without a host sync, stop checks run one step behind")

@@ -101,7 +101,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.kv_events = attach_publisher(self.block_manager, args.kv_events_config)  # None: events off
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.background_prefill_share, args.background_decodes_while_online)
+                                   args.background_prefill_share, args.background_decodes_while_online,
+                                   args.background_max_prefill_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size
         self.intake = RequestIntake(self.tokenizer, RequestLimits(self.vocab_size, self.max_model_len,
                                                                   self.kv_cache_tokens), self.scheduling_policy)

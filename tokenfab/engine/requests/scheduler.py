@@ -13,7 +13,9 @@ then waiting online prompts, admitted in order, each preempting the newest runni
 sequences when a sequence slot or KV blocks are short; then background decodes (unless
 ``background_decodes_while_online`` is off) and background prefill chunks and admissions, the latter
 within ``background_prefill_share`` of the step's token budget. With no online work waiting or
-prefilling, background work is scheduled like any other and may use the whole budget.
+prefilling, background work is scheduled like any other and may use the whole budget, or at most
+``background_max_prefill_tokens`` prefill tokens a step when that is set: an online request that
+arrives waits for the step in flight, so on a compute-bound device (a CPU) this bounds its wait.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         background_prefill_share: float = 0.0,
         background_decodes_while_online: bool = True,
+        background_max_prefill_tokens: int | None = None,
     ) -> None:
         if not 0.0 <= background_prefill_share <= 1.0:
             raise ValueError(f"background_prefill_share must be in [0, 1], got {background_prefill_share!r}")
@@ -78,6 +81,11 @@ class Scheduler:
         # (and background decodes, when those are paused) may take, and whether background decodes go on
         self.background_prefill_share = background_prefill_share
         self.background_decodes_while_online = background_decodes_while_online
+        # at any time: the most background prefill tokens in one step (None: the budget). A step is only
+        # interrupted at its end, so this bounds how long an arriving online request waits behind one
+        if background_max_prefill_tokens is not None and background_max_prefill_tokens < 1:
+            raise ValueError(f"background_max_prefill_tokens must be at least 1, got {background_max_prefill_tokens!r}")
+        self.background_max_prefill_tokens = background_max_prefill_tokens
         self.waiting: list[Sequence] = []  # sorted by sort_key (background last: its priority is the largest)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions_total = 0
@@ -127,31 +135,29 @@ class Scheduler:
     # ---- the step's batch -----------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        if not self.online_pending():
-            # only background work, or online decodes: everything in the old order, the whole budget
-            budget = self._schedule_running(batch, self.running, self.max_num_batched_tokens)
-            self._admit(batch, budget, online=False)
-            return batch
-        online = [s for s in self.running if not s.is_background]
-        background = [s for s in self.running if s.is_background]
-        self._schedule_running(batch, online, self._budget_left(batch))
+        pending = self.online_pending()
+        decoding = self.background_decodes_while_online or not pending
+        cap = self.max_num_batched_tokens if self.background_max_prefill_tokens is None \
+            else self.background_max_prefill_tokens
+        if pending:
+            cap = min(cap, int(self.background_prefill_share * self.max_num_batched_tokens))
+        # with no online work pending (and no cap) this is the old order: decodes, prefill chunks, admissions
+        self._schedule_running(batch, [s for s in self.running if not s.is_background], self._budget_left(batch))
         self._admit(batch, self._budget_left(batch), online=True)
-        # background: decodes within what is left, prefill chunks (and admissions) within the share
-        decoding = self.background_decodes_while_online
+        background = [s for s in self.running if s.is_background]
         self._schedule_running(batch, [s for s in background if decoding and s.is_decoding], self._budget_left(batch))
-        share = int(self.background_prefill_share * self.max_num_batched_tokens)
         capped = [s for s in background if not (decoding and s.is_decoding)]
-        self._schedule_running(batch, capped, min(self._budget_left(batch), share - self._capped_tokens(batch)))
-        self._admit(batch, min(self._budget_left(batch), share - self._capped_tokens(batch)), online=False)
+        self._schedule_running(batch, capped, min(self._budget_left(batch), cap - self._capped(batch, decoding)))
+        self._admit(batch, min(self._budget_left(batch), cap - self._capped(batch, decoding)), online=False)
         return batch
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_prefill_tokens - batch.num_decode_tokens
 
-    def _capped_tokens(self, batch: ScheduledBatch) -> int:
-        """Tokens of the step's batch under the background share: background prefill chunks, and
-        background decodes when those are paused while online work is pending."""
-        decoding = self.background_decodes_while_online
+    @staticmethod
+    def _capped(batch: ScheduledBatch, decoding: bool) -> int:
+        """Tokens of the step's batch under the background cap: background prefill chunks, and background
+        decodes when those are paused (``decoding`` False)."""
         return sum(n for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.is_decode)
                    if s.is_background and not (decoding and d))
 
