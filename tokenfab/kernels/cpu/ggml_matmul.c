@@ -251,6 +251,7 @@ static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
             for (int64_t n = c * NC; n < n1; n++) {
                 const uint8_t *wr = w + n * rb;
                 float *res = out + m0 * N + n;
+                if (M <= MT_MAX) prefetch_ahead(wr, rb, w + N * rb); /* one tile: the memory-bound case */
                 if (qt == GQ8_0) {
                     GEMV_CASE(GQ8_0)
                 } else if (qt == GQ4_0) {

@@ -330,10 +330,11 @@ Q8_EXACT AI void gemv_row_q8(int qt, int mt, const uint8_t *wr, const int8_t *q,
 Q8_EXACT __attribute__((noinline)) static void gemv_rows_q8(int qt, int mt, const uint8_t *w, int64_t rb,
                                                             int64_t n0, int64_t n1, const int8_t *qm,
                                                             const int8_t *pm, const float *dm, const int32_t *sm,
-                                                            int64_t K, float *out, int64_t N) {
+                                                            int64_t K, float *out, int64_t N, const uint8_t *w_end) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * rb;
         float *res = out + n;
+        if (w_end) prefetch_ahead(wr, rb, w_end);
         if (qt == GQ8_0) {
             GEMV_Q8_CASE(GQ8_0)
         } else if (qt == GQ4_0) {
@@ -384,7 +385,7 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
         for (int64_t m0 = 0; m0 < M; m0 += MQ) {
             const int mt = M - m0 < MQ ? (int)(M - m0) : MQ;
             gemv_rows_q8(qt, mt, w, rb, c * NC, n1, q + m0 * K, qp + m0 * K, d + m0 * nb, sq + m0 * nb, K,
-                         out + m0 * N, N);
+                         out + m0 * N, N, M <= MQ ? w + N * rb : NULL); /* one tile (memory-bound): prefetch */
         }
     }
     free(q);
