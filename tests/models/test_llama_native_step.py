@@ -1,6 +1,6 @@
 """The C-driven step of a packed-GGUF Llama (``models/llama_native.py``, ``kernels/cpu/llama_step.c``):
 every step of a run -- prefill chunks, decodes, both in one batch, a sliding-window layer with
-contexts past its window next to short ones, Qwen2's qkv bias, Q4_0/Q4_1/Q8_0 weights, float32 and
+contexts past its window next to short ones, Qwen2's qkv bias, Qwen3's q/k norm, Q4_0/Q4_1/Q8_0 weights, float32 and
 int8 activations -- gives the Python layers' hidden states and KV cache bit for bit; the models and
 settings it does not take run the Python layers; bad indices are clear errors."""
 
@@ -54,12 +54,14 @@ def _compare_every_step(engine, monkeypatch) -> list:
     return seen
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", "gguf"), ("qwen2", "gguf"), ("llama", "gguf-q8act")])
+@pytest.mark.parametrize("arch,quantization", [("llama", "gguf"), ("qwen2", "gguf"), ("qwen3", "gguf"),
+                                               ("llama", "gguf-q8act")])
 def test_every_step_equals_the_python_layers(tmp_path, monkeypatch, arch, quantization):
     engine = small_engine(_write(tmp_path, arch), quantization=quantization)
     layers = engine.model.model.layers
     assert type(layers[0].self_attn.qkv_proj).__name__ == "GGMLLinear"
     assert (layers[0].self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
+    assert layers[0].self_attn.qk_norm == (arch == "qwen3")
     layers[1].self_attn.attn.sliding_window = 8  # a sliding layer between full ones
     seen = _compare_every_step(engine, monkeypatch)
     run_batch(engine, PROMPTS, max_tokens=12, arrivals=[0, 0, 2, 3], logprobs=0)

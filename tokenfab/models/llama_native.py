@@ -1,8 +1,8 @@
 """The C-driven step of a packed-GGUF Llama on CPU (``kernels/cpu/llama_step.c``).
 
 A decode step of the bundled model is ~300 kernel calls; from Python they cost about as much as the
-kernels themselves. When the whole model is made of what the C driver runs -- a Llama/Mistral/Qwen2
-decoder (no q/k norm) at TP 1 whose linear layers and embedding hold packed GGML weights, over a
+kernels themselves. When the whole model is made of what the C driver runs -- a Llama/Mistral/Qwen2/
+Qwen3 decoder at TP 1 whose linear layers and embedding hold packed GGML weights, over a
 float32 KV cache without sinks or softcap -- :class:`NativeLlamaStep` describes it once in two int64
 tables and runs each step in one call. The result is the Python layers' bit for bit (same kernels,
 same order; ``tests/models/test_llama_native_step.py``).
@@ -79,15 +79,15 @@ class NativeLlamaStep:
         for i, layer in enumerate(cfg_model.layers):
             a, mlp = layer.self_attn, layer.mlp
             attn, rope = a.attn, a.rotary_emb
-            if a.qk_norm or attn.sinks is not None or attn.softcap or attn.k_scale is not None:
-                return f"layer {i}: q/k norm, sinks, softcap or an fp8 cache"
+            if attn.sinks is not None or attn.softcap or attn.k_scale is not None:
+                return f"layer {i}: sinks, softcap or an fp8 cache"
             kc, vc = attn.k_cache, attn.v_cache
             if kc is None or kc.dtype != torch.float32 or not kc.is_contiguous() or not vc.is_contiguous():
                 return f"layer {i}: the KV cache is not bound, or not contiguous float32"
             cs = rope.cos_sin_cache
             if cs.dtype != torch.float32 or not cs.is_contiguous() or not rope.is_neox:
                 return f"layer {i}: the rotary cache is not a contiguous float32 NeoX cache"
-            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rope.rotary_dim, tuple(kc.shape))
+            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, rope.rotary_dim, tuple(kc.shape), a.qk_norm)
             if attn0 is None:
                 attn0 = shape
             elif shape != attn0:
@@ -98,7 +98,14 @@ class NativeLlamaStep:
             if any(n.eps != cfg_model.norm.eps for n in norms):
                 return f"layer {i}: norms with different eps"
             inter = mlp.down_proj.in_features
-            row = {"input_norm": layer.input_layernorm.weight.data_ptr(),
+            qk = {}
+            if a.qk_norm:  # Qwen3: per-head RMSNorm of q and k, with the model's eps
+                heads = (a.q_norm, a.k_norm)
+                if not all(_f32_vector(n.weight, attn.head_dim) for n in heads) or any(
+                        n.eps != cfg_model.norm.eps for n in heads):
+                    return f"layer {i}: q/k norm weights that are not float32 [head_dim] or another eps"
+                qk = {"q_norm": a.q_norm.weight.data_ptr(), "k_norm": a.k_norm.weight.data_ptr()}
+            row = {**qk, "input_norm": layer.input_layernorm.weight.data_ptr(),
                    "post_norm": layer.post_attention_layernorm.weight.data_ptr(),
                    "k_cache": kc.data_ptr(), "v_cache": vc.data_ptr(), "cos_sin": cs.data_ptr(),
                    "window": attn.sliding_window}
@@ -116,13 +123,13 @@ class NativeLlamaStep:
             rows.append(row)
         if attn0 is None:
             return "no layers"
-        hq, hkv, d, rot, cache_shape = attn0
+        hq, hkv, d, rot, cache_shape, qk_norm = attn0
         self.scale = float(cfg_model.layers[0].self_attn.attn.scale)
         self.eps = float(cfg_model.norm.eps)
         cfg = {"layers": len(rows), "hidden": h, "heads": hq, "kv_heads": hkv, "head_dim": d, "intermediate": inter,
                "embed": emb.qweight.data_ptr(), "embed_qtype": ggml_linear._QTYPE_ID[emb.qtype],
                "final_norm": cfg_model.norm.weight.data_ptr(), "rotary_dim": rot, "neox": 1,
-               "block_size": cache_shape[1]}
+               "block_size": cache_shape[1], "qk_norm": int(qk_norm)}
         self.cfg = pack_table([cfg], CFG_FIELDS)[0]
         self.layers = pack_table(rows, LAYER_FIELDS)
         n_pos = min(int(layer.self_attn.rotary_emb.cos_sin_cache.shape[0]) for layer in cfg_model.layers)
@@ -159,6 +166,8 @@ class NativeLlamaStep:
             watch(a.attn, "k_cache")
             watch(a.attn, "v_cache")
             watch(a.rotary_emb, "cos_sin_cache")
+            watch(getattr(a, "q_norm", None), "weight")
+            watch(getattr(a, "k_norm", None), "weight")
             for lin in (a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
                 watch(lin, "qweight")
                 watch(lin, "bias")

@@ -12,7 +12,7 @@
  * The model is described by two int64 tables that the Python side fills once (kernels/cpu/llama_step.py):
  *   cfg[CFG_N]: sizes, the embedding, the final norm, the rotary layout, the cache's block size;
  *   layers[n_layers][LY_N]: per layer the two norm weights, the KV-cache slices, the rotary cache,
- *     the sliding window (0: none) and four linear layers (qkv, o, gate_up, down), each as {packed weight, GGML type, activation mode, bias, rows}.
+ *     the sliding window (0: none), Qwen3's q/k norm weights (cfg says whether) and four linear layers (qkv, o, gate_up, down), each as {packed weight, GGML type, activation mode, bias, rows}.
  * Pointers travel as int64. Floats (eps, scale) are separate arguments.
  */
 #include <stdint.h>
@@ -41,11 +41,12 @@ void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows,
 /* cfg[] */
 enum {
     CFG_LAYERS, CFG_HIDDEN, CFG_HEADS, CFG_KV_HEADS, CFG_HEAD_DIM, CFG_INTER, CFG_EMBED, CFG_EMBED_QT,
-    CFG_FINAL_NORM, CFG_ROT_DIM, CFG_NEOX, CFG_BLOCK_SIZE, CFG_N
+    CFG_FINAL_NORM, CFG_ROT_DIM, CFG_NEOX, CFG_BLOCK_SIZE, CFG_QK_NORM, CFG_N
 };
 /* a linear layer's five entries, and a layer's row of the layer table */
 enum { LIN_W, LIN_QT, LIN_ACT, LIN_BIAS, LIN_ROWS, LIN_N };
-enum { LY_IN_NORM, LY_POST_NORM, LY_K_CACHE, LY_V_CACHE, LY_COS_SIN, LY_WINDOW, LY_QKV, LY_O = LY_QKV + LIN_N,
+enum { LY_IN_NORM, LY_POST_NORM, LY_K_CACHE, LY_V_CACHE, LY_COS_SIN, LY_WINDOW, LY_Q_NORM, LY_K_NORM, LY_QKV,
+       LY_O = LY_QKV + LIN_N,
        LY_GATE_UP = LY_O + LIN_N, LY_DOWN = LY_GATE_UP + LIN_N, LY_N = LY_DOWN + LIN_N };
 
 #define PTR(T, v) ((T)(intptr_t)(v))
@@ -76,8 +77,10 @@ int llama_step_f32(const int64_t *cfg, const int64_t *layers, float eps, float s
     const int64_t I = cfg[CFG_INTER], BS = cfg[CFG_BLOCK_SIZE], W = (Hq + 2 * Hkv) * D;
     if (T == 0) return TF_OK;
     /* the step's activations, as the Python layers hold them */
-    const int64_t sizes[] = {T * H, T * H, T * H, T * W, T * Hq * D, T * Hkv * D, T * Hq * D, T * 2 * I, T * I};
-    enum { X, RES, NORMED, QKV, QROT, KROT, ATTN, GATE_UP, ACT, NBUF };
+    const int qk_norm = (int)cfg[CFG_QK_NORM];
+    const int64_t sizes[] = {T * H, T * H, T * H, T * W, T * Hq * D, T * Hkv * D, T * Hq * D, T * 2 * I, T * I,
+                             qk_norm ? T * Hq * D : 0, qk_norm ? T * Hkv * D : 0};
+    enum { X, RES, NORMED, QKV, QROT, KROT, ATTN, GATE_UP, ACT, QN, KN, NBUF };
     float *buf[NBUF];
     int64_t total = 0;
     for (int i = 0; i < NBUF; i++) total += sizes[i];
@@ -96,10 +99,19 @@ int llama_step_f32(const int64_t *cfg, const int64_t *layers, float eps, float s
         /* h = input_layernorm(x) (+ residual after the first layer) */
         rc = rms_norm(buf[X], H, 1, 0, l ? buf[RES] : NULL, H, in_norm, buf[NORMED], H, T, H, eps, 0);
         if (rc == TF_OK) rc = linear(ly + LY_QKV, buf[NORMED], T, H, buf[QKV]);
-        /* q, k, v: views of qkv; q and k rotated into contiguous rows, v stored from its view */
+        /* q, k, v: views of qkv; q and k rotated into contiguous rows, v stored from its view. Qwen3
+         * first normalizes each head of q and k (the [T, heads, D] views, into contiguous rows) */
+        const float *q = buf[QKV], *k = buf[QKV] + Hq * D;
+        int64_t q_st = W, k_st = W;
+        if (rc == TF_OK && qk_norm) {
+            rc = rms_norm(q, W, Hq, D, NULL, 0, PTR(const float *, ly[LY_Q_NORM]), buf[QN], D, T * Hq, D, eps, 0);
+            if (rc == TF_OK)
+                rc = rms_norm(k, W, Hkv, D, NULL, 0, PTR(const float *, ly[LY_K_NORM]), buf[KN], D, T * Hkv, D, eps, 0);
+            q = buf[QN], k = buf[KN], q_st = Hq * D, k_st = Hkv * D;
+        }
         if (rc == TF_OK)
-            rc = rotary_qk(positions, buf[QKV], W, D, Hq, buf[QROT], buf[QKV] + Hq * D, W, D, Hkv, buf[KROT],
-                           cos_sin, T, D, cfg[CFG_ROT_DIM], (int)cfg[CFG_NEOX], 0);
+            rc = rotary_qk(positions, q, q_st, D, Hq, buf[QROT], k, k_st, D, Hkv, buf[KROT], cos_sin, T, D,
+                           cfg[CFG_ROT_DIM], (int)cfg[CFG_NEOX], 0);
         if (rc != TF_OK) break;
         store_kv(buf[KROT], Hkv * D, D, buf[QKV] + (Hq + Hkv) * D, W, D, kc, vc, slots, T, Hkv, D, D, 0);
         rc = paged_attention_f32(buf[QROT], kc, vc, tables, cu, ctx, buf[ATTN], B, Hq, Hkv, D, D, BS, Hq * D, D,

@@ -17,10 +17,10 @@ from tokenfab.kernels.cpu import native_library
 from tokenfab.kernels.cpu.checks import check_paged_indices, check_positions, check_slots, check_status
 
 CFG_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "embed", "embed_qtype",
-              "final_norm", "rotary_dim", "neox", "block_size")
+              "final_norm", "rotary_dim", "neox", "block_size", "qk_norm")
 LINEAR_FIELDS = ("weight", "qtype", "act_q8", "bias", "rows")
 LINEARS = ("qkv", "o", "gate_up", "down")
-LAYER_FIELDS = ("input_norm", "post_norm", "k_cache", "v_cache", "cos_sin", "window") + tuple(
+LAYER_FIELDS = ("input_norm", "post_norm", "k_cache", "v_cache", "cos_sin", "window", "q_norm", "k_norm") + tuple(
     f"{lin}.{f}" for lin in LINEARS for f in LINEAR_FIELDS)
 LAYER_WIDTH = len(LAYER_FIELDS)
 
