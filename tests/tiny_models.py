@@ -76,6 +76,30 @@ def hf_greedy_tokens(path, ids: list[int], n: int) -> list[int]:
     return out[len(ids):]
 
 
+def tiny_llama_with_bundled_tokenizer(std: float | None = None) -> tuple[Any, Any]:
+    """(transformers model, tokenizer): a 2-layer random Llama (hidden 32, tied embeddings, seed 0) over the
+    bundled model's tokenizer and chat template, for the chat, fine-tuning and LoRA tests; ``std``: draw
+    every weight from N(0, std) instead of the config's initialization."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from tokenfab.loader.bundled import bundled_model_path
+
+    gguf = bundled_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, std)
+    model.config.architectures = ["LlamaForCausalLM"]
+    return model, tokenizer
+
+
 def small_engine(path, **kw):
     """An ``LLMEngine`` on the checkpoint at ``path`` with a small paged cache (64 blocks of 4 tokens)
     and 64-token steps, so that short prompts already span several blocks and chunks."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter
-from tests.tiny_models import save_tiny_model, tiny_config
+from tests.tiny_models import save_tiny_model, tiny_config, tiny_llama_with_bundled_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -25,23 +25,7 @@ def lora_chat_setup(tmp_path_factory):
     """(model dir, transformers model, tokenizer, adapters): a tiny random Llama with the bundled model's
     tokenizer and chat template (chat and responses need them), and PEFT adapters x (r 8, every
     projection), y (r 4, q and v) and z (r 16, o)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from tokenfab.loader.bundled import bundled_model_path
-
-    gguf = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.config.architectures = ["LlamaForCausalLM"]
+    model, tokenizer = tiny_llama_with_bundled_tokenizer(std=0.2)
     root = tmp_path_factory.mktemp("lora-chat")
     model.save_pretrained(str(root / "base"))
     tokenizer.save_pretrained(str(root / "base"))

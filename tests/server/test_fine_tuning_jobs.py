@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.server.conftest import LiveServer
 from tests.server.inprocess import assert_error
+from tests.tiny_models import tiny_llama_with_bundled_tokenizer
 from tokenfab.engine.core.async_engine import AsyncEngine
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.server.app import ServerConfig, build_app
@@ -41,19 +41,7 @@ N_NEW = 6
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> tuple[str, Any, Any]:
     """(folder, transformers model, tokenizer): a tiny random Llama with the bundled model's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from tokenfab.loader.bundled import bundled_model_path
-
-    gguf = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.config.architectures = ["LlamaForCausalLM"]
+    model, tokenizer = tiny_llama_with_bundled_tokenizer()
     folder = tmp_path_factory.mktemp("ft-base")
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import tiny_llama_with_bundled_tokenizer
 from tokenfab.cli import main
 
 TRAIN = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": f"ANSWER: {w}"}]}
@@ -21,19 +22,7 @@ EVAL = [{"prompt": "Say window", "completion": "ANSWER: window"}]
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A tiny random Llama as a Hugging Face folder with the bundled model's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from tokenfab.loader.bundled import bundled_model_path
-
-    gguf = bundled_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.architectures = ["LlamaForCausalLM"]
+    model, tokenizer = tiny_llama_with_bundled_tokenizer()
     out = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
