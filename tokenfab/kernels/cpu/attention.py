@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
 import torch
 
 from tokenfab.kernels.cpu import native_library
-from tokenfab.kernels.cpu.checks import check_paged_attention, check_status, indices_checked
+from tokenfab.kernels.cpu.checks import check_paged_attention, check_query_rows, check_status, indices_checked
 
 _FUNCTIONS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 _FP8 = torch.float8_e4m3fn
@@ -89,16 +88,10 @@ def paged_attention_native(
     cu = None
     if cu_seqlens_q is not None:
         cu = cu_seqlens_q.to(torch.int32).contiguous()
-        if cu.dim() != 1 or cu.shape[0] != b + 1:
-            raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
         # the same tensors in every layer of a step: checked once (checks.indices_checked)
-        if not indices_checked(block_tables, context_lens, cu, k_cache.shape[0], bs, t):
-            cu_np = cu.numpy()  # numpy: ~1 us a reduction where a torch op costs several
-            if int(cu_np[-1]) != t:
-                raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
-            q_lens = np.diff(cu_np)
-            if b and (int(q_lens.min()) < 0 or bool((q_lens > context_lens.numpy()).any())):
-                raise ValueError("every sequence needs 0 <= query rows <= context length")  # keys from ctx - q_len
+        if cu.dim() != 1 or cu.shape[0] != b + 1 or not indices_checked(block_tables, context_lens, cu,
+                                                                       k_cache.shape[0], bs, t):
+            check_query_rows(cu, context_lens, t)
     elif t != b:
         raise ValueError(f"decode attention takes one query per sequence: {t} rows for {b} sequences")
     out = q.new_empty(t, hq, dv)

@@ -135,6 +135,17 @@ def check_paged_indices(tables: torch.Tensor, ctx: torch.Tensor, cu: torch.Tenso
             raise ValueError(f"block_tables holds block id {bad}, outside the cache's {nb} blocks")
 
 
+def check_query_rows(cu: torch.Tensor, ctx: torch.Tensor, t: int) -> None:
+    """``cu`` [B + 1] int32 ends at ``t`` query rows and gives every sequence 0 <= rows <= its context."""
+    b = ctx.shape[0]
+    cu_np = cu.numpy()  # numpy: ~1 us a reduction where a torch op costs several
+    if cu.dim() != 1 or cu.shape[0] != b + 1 or int(cu_np.reshape(-1)[-1]) != t:
+        raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
+    q_lens = np.diff(cu_np)
+    if b and (int(q_lens.min()) < 0 or bool((q_lens > ctx.numpy()).any())):
+        raise ValueError("every sequence needs 0 <= query rows <= context length")  # keys from ctx - q_len
+
+
 def check_slots(slots: torch.Tensor, n_tokens: int, n_slots: int) -> None:
     """``slots`` [T]: each -1 (skip) or a slot of the cache."""
     check_dims("slot_mapping", slots, 1)

@@ -10,11 +10,16 @@ to must stay alive and unmoved while the tables are used (the model side holds t
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenfab.kernels.cpu import native_library
-from tokenfab.kernels.cpu.checks import check_paged_indices, check_positions, check_slots, check_status
+from tokenfab.kernels.cpu.checks import (
+    check_paged_indices,
+    check_positions,
+    check_query_rows,
+    check_slots,
+    check_status,
+)
 
 CFG_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "embed", "embed_qtype",
               "final_norm", "rotary_dim", "neox", "block_size", "qk_norm")
@@ -59,12 +64,7 @@ def llama_step(cfg: torch.Tensor, layers: torch.Tensor, eps: float, scale: float
     cu = None
     if max_query_len != 1:
         cu = cu_seqlens_q.to(torch.int32).contiguous()
-        cu_np = cu.numpy()
-        if cu.shape[0] != b + 1 or int(cu_np[-1]) != t:
-            raise ValueError(f"cu_seqlens_q must have {b + 1} entries ending at {t} query rows")
-        q_lens = np.diff(cu_np)
-        if b and (int(q_lens.min()) < 0 or bool((q_lens > ctx.numpy()).any())):
-            raise ValueError("every sequence needs 0 <= query rows <= context length")
+        check_query_rows(cu, ctx, t)
     elif t != b:
         raise ValueError(f"a decode step has one token per sequence: {t} tokens for {b} sequences")
     if tables.dim() != 2 or tables.shape[0] != b:

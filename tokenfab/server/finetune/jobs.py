@@ -148,16 +148,7 @@ class JobStore:
         """Newest first, as OpenAI lists them; ``after`` an event id."""
         await self.get_row(job_id)
 
-        def query(s: Session) -> tuple[list[FineTuningEventRow], bool]:
-            q = select(FineTuningEventRow).where(FineTuningEventRow.job_id == job_id)
-            if after is not None:
-                cursor = s.get(FineTuningEventRow, after)
-                if cursor is None or cursor.job_id != job_id:
-                    raise APIError(400, f"after: no such event {after} in this job", param="after")
-                q = q.where(FineTuningEventRow.seq < cursor.seq)
-            rows = list(s.scalars(q.order_by(FineTuningEventRow.seq.desc()).limit(limit + 1)))
-            return rows[:limit], len(rows) > limit
-
+        query = _newest_first_page(FineTuningEventRow, FineTuningEventRow.seq, job_id, limit, after, "event")
         rows, more = await self.db.run(query)
         return {"object": "list", "data": [event_object(r) for r in rows], "has_more": more}
 
@@ -165,17 +156,26 @@ class JobStore:
         """Newest (largest step) first; ``after`` a checkpoint id."""
         await self.get_row(job_id)
 
-        def query(s: Session) -> tuple[list[FineTuningCheckpointRow], bool]:
-            q = select(FineTuningCheckpointRow).where(FineTuningCheckpointRow.job_id == job_id)
-            if after is not None:
-                cursor = s.get(FineTuningCheckpointRow, after)
-                if cursor is None or cursor.job_id != job_id:
-                    raise APIError(400, f"after: no such checkpoint {after} in this job", param="after")
-                q = q.where(FineTuningCheckpointRow.step_number < cursor.step_number)
-            rows = list(s.scalars(q.order_by(FineTuningCheckpointRow.step_number.desc()).limit(limit + 1)))
-            return rows[:limit], len(rows) > limit
-
+        query = _newest_first_page(FineTuningCheckpointRow, FineTuningCheckpointRow.step_number, job_id, limit, after,
+                                   "checkpoint")
         rows, more = await self.db.run(query)
         data = [checkpoint_object(r) for r in rows]
         return {"object": "list", "data": data, "has_more": more, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
+
+
+def _newest_first_page(row_type: Any, order: Any, job_id: str, limit: int, after: str | None, what: str):
+    """A query (for ``db.run``) of one job's rows of ``row_type``, largest ``order`` first, ``limit`` of them
+    after the row ``after`` (an id of this job, else a 400): (rows, whether more follow)."""
+
+    def query(s: Session) -> tuple[list[Any], bool]:
+        q = select(row_type).where(row_type.job_id == job_id)
+        if after is not None:
+            cursor = s.get(row_type, after)
+            if cursor is None or cursor.job_id != job_id:
+                raise APIError(400, f"after: no such {what} {after} in this job", param="after")
+            q = q.where(order < getattr(cursor, order.key))
+        rows = list(s.scalars(q.order_by(order.desc()).limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+
+    return query
