@@ -17,8 +17,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Kimi K2.5 (multimodal wrapper around a DeepSeek-V3 text model): the text part only
     "KimiK25ForConditionalGeneration": ("tokenfab.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Kimi_K25ForConditionalGeneration": ("tokenfab.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet + gated attention hybrids (the VL wrappers: the text part only)
+    "Qwen3NextForCausalLM": ("tokenfab.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("tokenfab.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("tokenfab.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("tokenfab.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("tokenfab.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
     "DeepseekV32ForCausalLM": ("tokenfab.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("tokenfab.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
+    "DeepseekV4ForCausalLM": ("tokenfab.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 
