@@ -91,7 +91,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                     raise ModelLoadError(where(), f"tensor {ckpt_name}: {e}") from e
                 if took:
                     continue
-        if not plain and quantized is None and not may_be_taken_packed(ckpt_name, tensor):
+        # integer tensors a model takes itself (DeepSeek-V4's hash-routing table ``tid2eid``)
+        own_int = ckpt_name.endswith(tuple(getattr(model, "integer_checkpoint_tensors", ())))
+        if not plain and quantized is None and not own_int and not may_be_taken_packed(ckpt_name, tensor):
             all_names = getattr(weights, "all_names", None)
             siblings = all_names() if callable(all_names) else ()
             raise ModelLoadError(where(), unsupported_tensor_problem(ckpt_name, tensor, siblings))

@@ -34,13 +34,27 @@ def latent_cache_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
+def paged_cache_layers(model: nn.Module) -> list[nn.Module]:
+    """Modules whose caches have shapes of their own, per block (DeepSeek-V4: a token row and compressed
+    entries at the layer's ratio): they declare ``paged_cache_shapes(block_size) -> {attribute: per-block
+    shape}`` and get each attribute bound to a [num_blocks, *shape] tensor of the model dtype."""
+    return [m for m in model.modules() if callable(getattr(m, "paged_cache_shapes", None))]
+
+
+def paged_cache_bytes_per_block(model: nn.Module, dtype: torch.dtype, block_size: int) -> int:
+    return sum(math.prod(s) * dtype.itemsize for m in paged_cache_layers(model)
+               for s in m.paged_cache_shapes(block_size).values())
+
+
+def kv_bytes_per_token(model: nn.Module, dtype: torch.dtype, block_size: int = 16) -> int:
     """Bytes of K and V (or of the latent cache entries) one token takes across all layers, each
-    layer in its own cache dtype (``kv_cache_dtype``, else ``dtype``)."""
+    layer in its own cache dtype (``kv_cache_dtype``, else ``dtype``); per-block caches
+    (``paged_cache_layers``) counted as their bytes per block / ``block_size``, rounded up."""
     def elem(m: nn.Module) -> int:
         return cache_dtype(m, dtype).itemsize
 
     latent = sum(math.prod(m.kv_cache_spec()) * elem(m) for m in latent_cache_layers(model))
+    latent += -(-paged_cache_bytes_per_block(model, dtype, block_size) // block_size)
     return latent + sum(2 * a.num_kv_heads * a.head_dim * elem(a) for a in attention_layers(model))
 
 
@@ -76,7 +90,11 @@ class ModelRunner:
         latent = latent_cache_layers(model)
         #: one cache tensor per dtype (``kv_cache``: the first, the model dtype's when it has layers)
         self.kv_caches: dict[torch.dtype, torch.Tensor] = {}
-        if latent and not layers:
+        paged = paged_cache_layers(model)
+        if paged:
+            self._bind_paged_caches(paged)
+            owners = paged
+        elif latent and not layers:
             self._bind_latent_cache(latent)
             owners = latent
         else:
@@ -97,6 +115,18 @@ class ModelRunner:
         self._cache_owners = owners
         #: some FP8 layer still awaits its first-batch calibration: steps run eagerly until none does
         self.kv_calibrating = any(m.kv_calibrate for m in owners)
+
+    def _bind_paged_caches(self, modules: list[nn.Module]) -> None:
+        """Per-layer cache shapes (``paged_cache_layers``): one flat tensor of the model dtype, carved into
+        each module's [num_blocks, *per-block shape] caches."""
+        shapes = [(m, name, (self.num_blocks, *shape)) for m in modules
+                  for name, shape in m.paged_cache_shapes(self.block_size).items()]
+        flat = torch.zeros(sum(math.prod(s) for _, _, s in shapes), dtype=self.dtype, device=self.device)
+        self.kv_caches[self.dtype] = flat
+        at = 0
+        for m, name, shape in shapes:
+            setattr(m, name, flat[at : at + math.prod(shape)].view(shape))
+            at += math.prod(shape)
 
     def _bind_latent_cache(self, modules: list[nn.Module]) -> None:
         """MLA: one tensor [num_layers, num_blocks, block_size, *per-token shape] per dtype, sliced per layer."""

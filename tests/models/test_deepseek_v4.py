@@ -1,0 +1,140 @@
+"""DeepSeek-V4 (sliding / CSA / HCA attention over compressed paged caches, mHC, hash and sqrtsoftplus MoE):
+a tiny random checkpoint in the official layout; prefill logits and every decode step equal transformers'
+(fp32) for prompts longer than the window (6), both ratios (4, 8) and the indexer's top-2; batches of long
+and short prompts with chunked prefill (chunks not aligned to the windows), mixed prefill + decode steps, two
+block sizes (a compressed entry per block and one every other block), and prefix-cache hits, per request
+equal to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.dsv4_tiny import DSV4_TINY, save_tiny_dsv4
+from tests.tiny_models import (
+    assert_batch_matches_hf,
+    assert_step_logits_match_hf,
+    greedy_tokens,
+    hf_logits,
+    paths_reached,
+    run_batch,
+)
+from tokenfab.engine.llm_engine import LLMEngine
+from tokenfab.layers.dsv4_attention import DeepseekV4Attention
+from tokenfab.models.deepseek_v4 import DeepseekV4MoE
+
+PROMPTS = [list(range(30, 60)), [5, 17, 42], [7, 250, 3, 9, 77, 12, 5, 6, 1, 4, 100, 101, 102]]
+WINDOW = DSV4_TINY["sliding_window"]
+
+
+def _engine(path, **kw) -> LLMEngine:
+    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLMEngine(model=str(path), **args)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsv4")
+    hf = save_tiny_dsv4(path)
+    return hf, path, _engine(path)
+
+
+def test_structure_and_cache_shapes(tiny):
+    """Every attention type and both routings are built; each layer's cache is its own shape: a token row
+    (kv, then the compressors' C and Z rows) and compressed entries, one a block at ratio 4 and block size 4,
+    one every other block at ratio 8 (the entry sits in the block of its window's last token)."""
+    hf, _, engine = tiny
+    cfg = hf.config
+    attn = [m for m in engine.runner.model.modules() if isinstance(m, DeepseekV4Attention)]
+    moe = [m for m in engine.runner.model.modules() if isinstance(m, DeepseekV4MoE)]
+    assert [a.layer_type for a in attn] == cfg.layer_types
+    assert [m.hashed for m in moe] == [t == "hash_moe" for t in cfg.mlp_layer_types]
+    d, di = cfg.head_dim, cfg.index_head_dim
+    csa_row = d + 2 * (2 * d) + 2 * (2 * di)  # kv; C, Z at 2d (two series); the indexer's at 2 d_I
+    assert [tuple(a.kv_cache.shape) for a in attn] == [(64, 4, d), (64, 4, csa_row), (64, 4, 3 * d), (64, 4, csa_row)]
+    assert tuple(attn[1].comp_cache.shape) == (64, 1, d + di)
+    assert tuple(attn[2].comp_cache.shape) == (64, 1, d)
+    assert attn[0].comp_cache is None
+
+
+def test_prefill_and_decode_logits_match(tiny):
+    hf, _, engine = tiny
+    assert_step_logits_match_hf(engine, hf, PROMPTS, steps=8)
+
+
+def test_selection_and_compression_matter(tiny):
+    """Guard against a vacuous comparison: transformers' logits for the long prompt change when the indexer
+    keeps every entry, and when the HCA entries are dropped; ours follow the configured model."""
+    hf, _, _ = tiny
+    ids = PROMPTS[0]
+    base = hf_logits(hf, ids)
+    indexers = [m for m in hf.modules() if type(m).__name__ == "DeepseekV4Indexer"]
+    assert indexers
+    for m in indexers:
+        m.index_topk = 64
+    try:
+        assert (hf_logits(hf, ids) - base).abs().max() > 1e-2
+    finally:
+        for m in indexers:
+            m.index_topk = DSV4_TINY["index_topk"]
+    hca = [m for m in hf.modules() if type(m).__name__ == "DeepseekV4HCACompressor"]
+    saved = [m.kv_norm.weight.detach().clone() for m in hca]
+    try:
+        for m in hca:
+            m.kv_norm.weight.data.zero_()
+        assert (hf_logits(hf, ids) - base).abs().max() > 1e-2
+    finally:
+        for m, w in zip(hca, saved):
+            m.kv_norm.weight.data.copy_(w)
+
+
+# Prompts longer than the window and the ratios beside short ones, arriving while others decode; chunks of
+# 7 tokens (windows of 4 and 8 close in later chunks and in decode steps).
+BATCH_PROMPTS = [list(range(30, 53)), [5, 17, 42], list(range(100, 111)), [250]]
+BATCH_ARRIVALS = [0, 0, 2, 5]
+ALL_PATHS = {"mixed", "chunked", "decodes", "long+short", "long+short decodes"}
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_batched_chunked_long_and_short_match_transformers(tiny, block_size):
+    hf, path, _ = tiny
+    engine = _engine(path, block_size=block_size, num_kv_blocks=64 // (block_size // 4), max_num_batched_tokens=7)
+    tokens, logprobs, batches = run_batch(engine, BATCH_PROMPTS, 8, BATCH_ARRIVALS)
+    assert paths_reached(batches, WINDOW) == ALL_PATHS
+    assert_batch_matches_hf(hf, BATCH_PROMPTS, tokens, logprobs)
+
+
+def test_batched_equals_alone_and_prefix_hits(tiny):
+    """Greedy tokens batched equal alone; a second request sharing a 16-token prefix reuses its blocks
+    (their token rows and compressed entries) and still equals transformers."""
+    hf, path, engine = tiny
+    alone = [greedy_tokens(engine, [p], 6, f"a{i}-")[0] for i, p in enumerate(PROMPTS)]
+    assert greedy_tokens(engine, PROMPTS, 6, "b") == alone
+    cached = _engine(path, enable_prefix_caching=True)
+    long = list(range(40, 63))
+    shared = long[:16] + [7, 8, 9, 10, 11]
+    expect = [[int(t) for t in _hf_greedy(hf, p, 5)] for p in (long, shared)]
+    assert greedy_tokens(cached, [long], 5, "c") == [expect[0]]
+    before = cached.computed_prompt_tokens_total
+    assert greedy_tokens(cached, [shared], 5, "d") == [expect[1]]
+    assert cached.computed_prompt_tokens_total - before <= len(shared) - 16
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(hf_logits(hf, out)[-1].argmax()))
+    return out[len(ids):]
+
+
+def test_kv_cache_rows_are_written_once_per_window(tiny):
+    """After a 23-token prompt, the compressed entries of the 5 closed CSA windows (ratio 4) and the 2 HCA
+    windows (ratio 8) are non-zero and the entries of windows not yet closed are still zero."""
+    _, path, _ = tiny
+    engine = _engine(path, num_kv_blocks=16)
+    greedy_tokens(engine, [list(range(30, 53))], 1, "w")
+    attn = [m for m in engine.runner.model.modules() if isinstance(m, DeepseekV4Attention)]
+    written = [int((a.comp_cache.abs().sum(dim=-1) > 0).sum()) for a in attn[1:3]]
+    assert written == [23 // 4, 23 // 8]
+    assert torch.isfinite(attn[1].comp_cache).all()

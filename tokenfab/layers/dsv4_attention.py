@@ -1,0 +1,173 @@
+"""DeepSeek-V4 attention: shared-KV MQA over a sliding window plus compressed entries (CSA / HCA).
+
+For a token x at position p (H heads of dim D, one KV head that is both key and value):
+
+    q_resid = RMSNorm(W_qa x);   q = RoPE(RMSNorm_unweighted_per_head(W_qb q_resid))       [H, D]
+    kv      = RoPE(RMSNorm(W_kv x))                                                      [D]  (K = V)
+    keys    = kv of positions p - W + 1 .. p (the sliding window)
+              + compressed entries (``dsv4_compressor``): HCA every visible entry, CSA the indexer's top-k
+    o_h     = sum_j softmax([q_h . k_j / sqrt(D) ; sink_h])_j k_j      a learned per-head sink logit
+    o_h     = RoPE^-1(o_h) at p (the values carried the keys' rotation; this undoes it on the rope slice)
+    out     = W_ob [W_oa,g (o_heads of group g)]_g                       grouped low-rank output projection
+
+RoPE rotates the trailing ``qk_rope_head_dim`` channels in consecutive pairs; sliding layers use the "main"
+parameters, compressed layers the "compress" ones (their own theta, YaRN when configured).
+
+The cache (bound by the model runner from ``paged_cache_shapes``): ``kv_cache`` [num_blocks, bs, width],
+one row per token: kv, then the compressor's (and the indexer's) C and Z rows; ``comp_cache``
+[num_blocks, R, D (+ d_I)], the compressed entries at the layout of ``CompressedLayout``. The attention
+itself is a PyTorch reference over gathered rows (no Triton kernel yet). Checkpoint names (the official
+layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compressor.*,indexer.*}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenfab.forward_batch import ForwardBatch
+from tokenfab.layers.dsv4_compressor import (
+    CompressedLayout,
+    Compressor,
+    InterleavedRope,
+    LightningIndexer,
+    close_windows,
+)
+from tokenfab.layers.hyper_connections import unweighted_rms_norm
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.norm import RMSNorm
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def v4_rope_parameters(config: Any, kind: str) -> dict:
+    """The "main" or "compress" RoPE parameters of a DeepseekV4Config (nested by rope kind)."""
+    params = dict((getattr(config, "rope_parameters", None) or {}).get(kind) or {})
+    params.setdefault("rope_type", "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = config.rope_theta if kind == "main" else config.compress_rope_theta
+    if params["rope_type"] == "yarn":
+        params.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin by YaRN's mscale
+    return params
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config: Any, layer_type: str, max_position: int) -> None:
+        super().__init__()
+        if layer_type not in (SLIDING, CSA, HCA):
+            raise ValueError(f"unknown DeepSeek-V4 layer type {layer_type!r}")
+        h, d, eps = config.num_attention_heads, config.head_dim, config.rms_norm_eps
+        self.layer_type, self.num_heads, self.head_dim, self.eps = layer_type, h, d, eps
+        self.sliding_window = config.sliding_window
+        self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.wq_a = Linear(config.hidden_size, config.q_lora_rank)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps)
+        self.wq_b = Linear(config.q_lora_rank, h * d)
+        self.wkv = Linear(config.hidden_size, d)
+        self.norm = RMSNorm(d, eps)
+        self.wo_a = Linear(h * d // config.o_groups, config.o_groups * config.o_lora_rank)
+        self.wo_b = Linear(config.o_groups * config.o_lora_rank, config.hidden_size)
+        self.attn_sink = nn.Parameter(torch.empty(h, dtype=torch.float32), requires_grad=False)
+        rope_dim = int(d * config.partial_rotary_factor)
+        params = v4_rope_parameters(config, "main" if layer_type == SLIDING else "compress")
+        self.rotary = InterleavedRope(rope_dim, max_position, params, config.max_position_embeddings)
+        self.ratio = 0 if layer_type == SLIDING else config.compress_rates[layer_type]
+        self.compressor: Compressor | None = None
+        self.indexer: LightningIndexer | None = None
+        if layer_type != SLIDING:
+            self.compressor = Compressor(config.hidden_size, d, self.ratio, layer_type == CSA, self.rotary, eps)
+        if layer_type == CSA:
+            self.indexer = LightningIndexer(config.hidden_size, config.q_lora_rank, config.index_n_heads,
+                                            config.index_head_dim, self.ratio, config.index_topk, self.rotary, eps)
+        self.kv_cache: torch.Tensor | None = None
+        self.comp_cache: torch.Tensor | None = None
+        self.kv_cache_dtype: torch.dtype | None = None  # no FP8 cache for these layers yet
+        self.kv_calibrate = False
+
+    # ------------------------------------------------------------------ cache shapes
+
+    @property
+    def token_width(self) -> int:
+        """Values one token keeps in this layer's cache: its kv, then its compressor rows."""
+        width = self.head_dim
+        for comp in self._compressors():
+            width += comp.row_width
+        return width
+
+    @property
+    def entry_width(self) -> int:
+        return self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)
+
+    def _compressors(self) -> list[Compressor]:
+        return [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
+
+    def paged_cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        """Per-block shapes of this layer's caches, by attribute name (the runner binds [num_blocks, *shape])."""
+        shapes = {"kv_cache": (block_size, self.token_width)}
+        if self.ratio:
+            shapes["comp_cache"] = (CompressedLayout(block_size, self.ratio).rows_per_block, self.entry_width)
+        return shapes
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, seq_of_token: torch.Tensor) -> torch.Tensor:
+        assert self.kv_cache is not None, "DeepSeek-V4 cache not bound: the model runner binds kv_cache"
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        pos, tables = batch.positions, batch.block_tables
+        q_resid = self.q_norm(self.wq_a(x))
+        q = self.rotary(unweighted_rms_norm(self.wq_b(q_resid).view(t, h, d), self.eps), pos)
+        kv = self.rotary(self.norm(self.wkv(x)), pos)
+        rows = self.kv_cache.view(-1, self.token_width)
+        new = torch.cat([kv] + [c.token_rows(x, pos) for c in self._compressors()], dim=-1)
+        keep = batch.slot_mapping >= 0  # padded rows (-1) write nothing
+        rows.index_copy_(0, batch.slot_mapping[keep], new[keep].to(rows.dtype))
+
+        block_size = self.kv_cache.shape[1]
+        win = CompressedLayout(block_size, 1)
+        kpos = pos.unsqueeze(1) - self.sliding_window + 1 + torch.arange(self.sliding_window, device=x.device)
+        key_ok = kpos >= 0
+        keys = rows[win.token_slots(tables, seq_of_token.unsqueeze(1), kpos.clamp(min=0))][..., :d]
+        if self.ratio:
+            comp_keys, comp_ok = self._compressed_keys(x, q_resid, batch, seq_of_token, rows, block_size)
+            keys, key_ok = torch.cat((keys, comp_keys), dim=1), torch.cat((key_ok, comp_ok), dim=1)
+        o = self.rotary(self._attend(q, keys.to(q.dtype), key_ok), pos, inverse=True)
+        g = self.o_groups
+        w = self.wo_a.weight.view(g, self.o_lora_rank, -1)
+        grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, -1), w).reshape(t, -1)
+        return self.wo_b(grouped)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], keys [T, L, D] (also the values), key_ok [T, L] -> [T, H, D] with the sink logit."""
+        t, h, _ = q.shape
+        logits = torch.einsum("thd,tld->thl", q, keys).float() * self.head_dim**-0.5
+        logits = logits.masked_fill(~key_ok.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.float().view(1, h, 1).expand(t, h, 1)
+        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys)
+
+    def _compressed_keys(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch,
+                         seq_of_token: torch.Tensor, rows: torch.Tensor, block_size: int):
+        """Close this step's windows into ``comp_cache``, then each token's compressed keys [T, N, D] and
+        which of them it may use [T, N] (HCA: the visible entries; CSA: the indexer's picks)."""
+        assert self.comp_cache is not None and self.compressor is not None
+        d, m, pos, tables = self.head_dim, self.ratio, batch.positions, batch.block_tables
+        layout = CompressedLayout(block_size, m)
+        entries = self.comp_cache.view(-1, self.entry_width)
+        seq, window, main = close_windows(self.compressor, rows, layout, tables, seq_of_token, pos, d)
+        new = [main]
+        if self.indexer is not None:
+            offset = d + self.compressor.row_width
+            new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset)[2])
+        if window.numel():
+            where = layout.entry_rows(tables, seq, window)
+            entries.index_copy_(0, where, torch.cat(new, dim=-1).to(entries.dtype))
+        n = batch.max_context_len // m
+        ids = torch.arange(n, device=x.device)
+        visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [T, N]
+        at = layout.entry_rows(tables, seq_of_token.unsqueeze(1), ids.unsqueeze(0))  # [T, N]
+        if self.indexer is None or n == 0:
+            return entries[at][..., :d], visible
+        picks = self.indexer.select(x, q_resid, pos, entries[at][..., d:], visible)
+        return entries[at.gather(1, picks.clamp(min=0))][..., :d], picks >= 0

@@ -1,0 +1,171 @@
+"""DeepSeek-V4's KV compressors and lightning indexer, over the paged cache.
+
+A compressor turns every ``m`` consecutive tokens (a window) into one compressed KV entry:
+
+    C_j = W_kv x_j,  Z_j = W_gate x_j + B[j mod m]          per token, B: the learned ``ape`` [m, width]
+    entry_w = RoPE(RMSNorm(sum_j softmax_j(Z_j) * C_j), position w m)   softmax over the window, per channel
+
+HCA (heavily compressed, m = 128) sums over its own window. CSA (compressed sparse, m = 4) projects to
+two series, Ca = [..., :d] and Cb = [..., d:]: entry w pools window w's Cb with window w-1's Ca (2m slots,
+stride m; window 0's missing half has gate -inf). A query at position p may use the entries of the windows
+that are complete at p: w < (p + 1) // m.
+
+Paged layout (``CompressedLayout``): each token's C and Z rows stay in its own cache slot (written when the
+token is computed, so a window can close in a later chunk or decode step); entry w is written once, when
+the window's last token e = (w + 1) m - 1 is computed, into the block that holds e, at row (e mod bs) // m
+(``max(1, bs // m)`` rows a block). Keeping the entry in the block of the window's last token makes it a
+function of that block's prefix only, so prefix-cached blocks are never written by another sequence.
+
+Lightning indexer (CSA only): its own compressor at ``index_head_dim``, queries ``q_I = W_qb' q_resid``
+(RoPE at the token position) and head weights ``w = W_w x / sqrt(H_I)``;
+``score(t, w) = sum_h w_h relu(q_I,h . k_w) / sqrt(d_I)``, top ``index_topk`` of the visible entries.
+Checkpoint names: ``attn.compressor.{wkv,wgate,ape,norm}``, ``attn.indexer.{wq_b,weights_proj}`` and
+``attn.indexer.compressor.*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.rotary import build_cos_sin_cache
+
+
+class InterleavedRope(nn.Module):
+    """RoPE on the trailing ``rotary_dim`` channels, consecutive channel pairs (DeepSeek-V4's layout)."""
+
+    def __init__(self, rotary_dim: int, max_position: int, params: dict, max_position_embeddings: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        cache = build_cos_sin_cache(rotary_dim, max_position, params, max_position_embeddings)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [N, ..., d] rotated at positions [N] (``inverse``: by -angle)."""
+        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
+        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if inverse:
+            sin = -sin
+        rd = self.rotary_dim
+        rope = x[..., -rd:].float()
+        x0, x1 = rope[..., 0::2], rope[..., 1::2]
+        rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+        return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+@dataclass
+class CompressedLayout:
+    """Where rows live: token p of sequence b at slot table[b, p // bs] * bs + p % bs; compressed entry w
+    at row table[b, e // bs] * R + (e % bs) // m of the entry cache viewed as [num_blocks * R, width],
+    e = (w + 1) m - 1, R = max(1, bs // m)."""
+
+    block_size: int
+    ratio: int
+
+    def __post_init__(self) -> None:
+        bs, m = self.block_size, self.ratio
+        if bs % m and m % bs:
+            raise ValueError(f"block size {bs} and compression ratio {m}: one must divide the other")
+
+    @property
+    def rows_per_block(self) -> int:
+        return max(1, self.block_size // self.ratio)
+
+    def token_slots(self, tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Slots of positions ``pos`` (>= 0) of sequences ``seq`` (broadcast together)."""
+        bs = self.block_size
+        return tables[seq, pos // bs].long() * bs + pos % bs
+
+    def entry_rows(self, tables: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        end = (entry + 1) * self.ratio - 1
+        bs = self.block_size
+        return tables[seq, end // bs].long() * self.rows_per_block + (end % bs) // self.ratio
+
+
+class Compressor(nn.Module):
+    """One compressed series at ``head_dim`` (``overlap``: CSA's two-series windows)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool, rope: InterleavedRope,
+                 eps: float) -> None:
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.width = head_dim * (2 if overlap else 1)
+        self.wkv = Linear(hidden_size, self.width)
+        self.wgate = Linear(hidden_size, self.width)
+        self.ape = nn.Parameter(torch.empty(ratio, self.width, dtype=torch.float32), requires_grad=False)
+        self.norm = RMSNorm(head_dim, eps)
+        self._rope = (rope,)  # shared with the attention, not a submodule of its own
+
+    @property
+    def row_width(self) -> int:
+        """Values each token keeps in its cache row: its C and its biased Z."""
+        return 2 * self.width
+
+    def token_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, 2 width]: C, then Z + B[p mod m] (float32 bias added in the row's dtype)."""
+        gate = self.wgate(x) + self.ape[positions % self.ratio].to(x.dtype)
+        return torch.cat((self.wkv(x), gate), dim=-1)
+
+    def compress(self, cur: torch.Tensor, prev: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
+        """Rows of W windows: ``cur`` [W, m, 2 width] (window w), ``prev`` (window w-1, CSA only; ignored
+        where w == 0) -> the entries [W, head_dim], rotated at position w m."""
+        d, width = self.head_dim, self.width
+        kv, gate = cur[..., :width], cur[..., width:]
+        if self.overlap:
+            assert prev is not None
+            first = (window == 0).view(-1, 1, 1)
+            prev_kv = prev[..., :d].masked_fill(first, 0.0)
+            prev_gate = prev[..., width:width + d].masked_fill(first, float("-inf"))
+            kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
+            gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        return self._rope[0](self.norm(pooled), window * self.ratio)
+
+
+def close_windows(comp: Compressor, rows: torch.Tensor, layout: CompressedLayout, batch_tables: torch.Tensor,
+                  seq_of_token: torch.Tensor, positions: torch.Tensor, row_offset: int) -> tuple:
+    """The windows whose last token is in this step: (seq [W], window [W], entries [W, d]) computed from the
+    token rows ``rows`` [num_slots, width] (columns ``row_offset`` onward hold ``comp``'s C and Z)."""
+    m = layout.ratio
+    ends = torch.nonzero((positions + 1) % m == 0).flatten()
+    seq, window = seq_of_token[ends], positions[ends] // m
+    if ends.numel() == 0:
+        return seq, window, rows.new_zeros(0, comp.head_dim)
+    span = torch.arange(m, device=positions.device)
+    cols = slice(row_offset, row_offset + comp.row_width)
+    start = (window * m).unsqueeze(1) + span  # [W, m]
+    cur = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), start)][..., cols]
+    prev = None
+    if comp.overlap:
+        prev_pos = (start - m).clamp(min=0)
+        prev = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), prev_pos)][..., cols]
+    return seq, window, comp.compress(cur, prev, window)
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int,
+                 rope: InterleavedRope, eps: float) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim)
+        self.weights_proj = Linear(hidden_size, n_heads)
+        self.compressor = Compressor(hidden_size, head_dim, ratio, True, rope, eps)
+        self._rope = (rope,)
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """keys [T, N, d_I] (each token's sequence's entries), visible [T, N] -> the top-k entry
+        indices [T, k'] (k' = min(topk, N)), -1 where the pick is not visible."""
+        t = x.shape[0]
+        q = self._rope[0](self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), positions)
+        scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys.float())) * self.head_dim**-0.5
+        w = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        k = min(self.topk, keys.shape[1])
+        picks = scores.topk(k, dim=-1).indices
+        return torch.where(visible.gather(1, picks), picks, torch.full_like(picks, -1))
