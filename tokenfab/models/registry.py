@@ -26,7 +26,6 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV32ForCausalLM": ("tokenfab.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("tokenfab.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "DeepseekV4ForCausalLM": ("tokenfab.models.deepseek_v4", "DeepseekV4ForCausalLM"),
-    "DeepseekV4ForCausalLM": ("tokenfab.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 
