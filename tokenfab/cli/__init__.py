@@ -22,6 +22,7 @@ BENCH_COMMANDS = {
     "engine": ("tokenfab.bench.engine", "end-to-end engine speed on a random model of a real shape"),
     "prefix": ("tokenfab.bench.prefix", "prefix caching and chunked prefill workloads"),
     "fleet": ("tokenfab.bench.fleet", "N tokenfab serve behind vllm-router/sglang-router: prefix hit rate, TTFT"),
+    "chaos": ("tokenfab.bench.chaos", "N tokenfab serve behind vllm-router, SIGKILLs under load: nothing lost, RSS"),
     "finetune": ("tokenfab.bench.finetune", "LoRA training tokens/s vs transformers + peft"),
     "flce-memory": ("tokenfab.bench.flce_memory", "peak memory of the loss step with vs without fused linear CE"),
     "ggml": ("tokenfab.bench.ggml", "packed GGUF matmul kernels (CPU) vs float32 torch, weight GB/s"),
@@ -30,6 +31,7 @@ BENCH_COMMANDS = {
     "overlap": ("tokenfab.bench.overlap", "device time between decode steps with vs without --async-scheduling"),
     "comm": ("tokenfab.bench.comm", "TP bytes/token on gloo ranks vs tokenfab plan; 1 vs N ranks"),
     "cpu": ("tokenfab.bench.cpu", "bundled GGUF vs llama.cpp's llama-bench/batched-bench, transformers, roofline"),
+    "lora": ("tokenfab.bench.lora", "16 streams over 8 LoRA adapters vs the base; online TTFT with a batch running"),
 }
 
 

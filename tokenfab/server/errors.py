@@ -2,6 +2,8 @@
 
 Every error the server answers is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``;
 FastAPI's validation errors (422) and malformed JSON become 400s with the offending field as ``param``.
+Every 503 (a dead or restarting engine, a draining server) carries ``Retry-After``: it is the one retryable
+answer a client or a router gets while an instance is down, and the header is how either knows to retry.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _ERROR_TYPES = {
     500: "server_error",
     503: "server_error",
 }
+RETRY_AFTER_S = 5  # seconds a client is asked to wait before retrying a 503 (another replica, or this one restarted)
 
 
 class APIError(Exception):
@@ -55,6 +58,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 503 and not any(k.lower() == "retry-after" for k in headers or {}):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
 
 
