@@ -16,6 +16,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides the memory budget (tests)
     max_num_seqs: int = 256
+    # hybrid models (per-sequence recurrent state, e.g. Gated DeltaNet): state slots, one per running sequence;
+    # None: max_num_seqs. Their bytes come out of the KV budget (engine/runner/kv_budget.py, docs/hybrid-cache.md)
+    num_state_slots: int | None = None
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -77,6 +80,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ValueError(f"num_state_slots must be at least 1, got {self.num_state_slots!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         # lazy: this module is the CLI's (``tokenfab --help``), which must not pay for importing torch
@@ -104,6 +109,9 @@ class EngineArgs:
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         parser.add_argument("--num-kv-blocks", type=int, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=256)
+        parser.add_argument("--num-state-slots", type=int, default=None,
+                            help="hybrid models (linear-attention layers with per-sequence recurrent state): state "
+                            "slots, at most this many sequences run at once (default: --max-num-seqs)")
         parser.add_argument("--cpu-threads", type=int, default=None,
                             help="CPU threads of the kernels (default: this process's share of the cores, TP ranks "
                                  "and DP replicas on disjoint cores)")

@@ -23,6 +23,7 @@ from tokenfab.engine.requests.outputs import RequestOutput
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.requests.state_slots import StateSlots
 from tokenfab.engine.requests.stats import EngineStats
 from tokenfab.engine.runner.cpu_threads import configure_engine_threads
 from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
@@ -38,6 +39,7 @@ from tokenfab.engine.runner.kv_budget import kv_cache_blocks
 from tokenfab.engine.runner.lora_manager import LoRAManager, lora_manager_for
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
+from tokenfab.engine.runner.state_cache import num_state_slots_for, state_cache_bytes
 from tokenfab.executors.eplb_engine import EplbConfig, EplbController
 from tokenfab.executors.tp_executor import start_tensor_parallel
 from tokenfab.forward_batch import ForwardBatch
@@ -86,19 +88,29 @@ class LLMEngine:
         configure_kv_cache(self.model, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers)  # FP8 KV layers
         two_batch.configure_from_args(args)  # --enable-two-batch-overlap (every TP rank does the same)
         self.memory = log_memory_figures(self.model, self.dtype, copies)
+        # hybrid cache: per-sequence recurrent-state slots beside the paged KV (0: none; docs/hybrid-cache.md)
+        self.num_state_slots = num_state_slots_for(self.model, args.num_state_slots, args.max_num_seqs,
+                                                   args.tensor_parallel_size, spec_config is not None)
         self.spec = None  # speculative decoding (tokenfab/speculative/step.py); a draft module loads here
         if spec_config is not None:
             self.spec = SpecDecoder(spec_config, self)
         draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
         num_blocks = kv_cache_blocks(args, kv_bytes_per_token(self.model, self.dtype) + draft, self.device,
-                                     self.max_model_len, self._make_runner)
+                                     self.max_model_len, self._make_runner,
+                                     state_cache_bytes(self.model, self.num_state_slots))
         self.runner = self._make_runner(args.block_size, num_blocks)
         if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
             self.runner.batch_invariant = True
             self.spec.bind_cache(args.block_size, num_blocks)  # the draft's cache: the target's blocks
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        prefix_caching = args.enable_prefix_caching
+        if prefix_caching and self.num_state_slots:
+            prefix_caching = False
+            log.info("prefix caching is off: this model keeps recurrent state per sequence, which cached KV "
+                     "blocks cannot rebuild (docs/hybrid-cache.md)")
+        self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching,
+                                          StateSlots(self.num_state_slots) if self.num_state_slots else None)
         self.kv_events = attach_publisher(self.block_manager, args.kv_events_config)  # None: events off
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.background_prefill_share, args.background_decodes_while_online,
@@ -124,7 +136,7 @@ class LLMEngine:
         there gets the same cache layout)."""
         if self.tp is not None:
             return self.tp.make_runner(self.model, self.device, self.dtype, block_size, num_blocks)
-        return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks)
+        return ModelRunner(self.model, self.device, self.dtype, block_size, num_blocks, self.num_state_slots)
 
     def _make_eplb(self, args: EngineArgs) -> EplbController | None:
         cfg = EplbConfig.parse(args.eplb_config)

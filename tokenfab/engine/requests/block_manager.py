@@ -32,6 +32,7 @@ from tokenfab.engine.requests.kv_events import (
     KVEventListener,
 )
 from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.requests.state_slots import StateSlots
 
 _DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
 
@@ -60,7 +61,8 @@ def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -74,6 +76,9 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found
         self.event_listeners: list[KVEventListener] = []
+        # hybrid cache: per-sequence recurrent-state slots, taken with a sequence's first blocks and
+        # given back with its blocks (None: the model keeps no recurrent state)
+        self.state_slots = state_slots
 
     def _emit(self, event: KVCacheEvent) -> None:
         for listener in self.event_listeners:
@@ -96,6 +101,8 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.state_slots is not None and not self.state_slots.can_allocate(seq):
+            return False
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     # ---- prefix cache ---------------------------------------------------------------
@@ -192,10 +199,13 @@ class BlockManager:
         return block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give seq enough blocks for ``num_new_tokens`` more computed tokens; False if short."""
+        """Give seq enough blocks for ``num_new_tokens`` more computed tokens (and a state slot if it
+        has none and the model keeps recurrent state); False, nothing taken, if short."""
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             return False
+        if self.state_slots is not None and not self.state_slots.allocate(seq):
+            return False  # no slot free: admission waits, as for blocks
         for _ in range(need):
             seq.block_table.append(self._pop_free())
         return True
@@ -223,6 +233,8 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.cached.values()):
@@ -238,3 +250,5 @@ class BlockManager:
         for h, b in self.cached.items():
             assert self.block_hash[b] == h
         assert all(r >= 0 for r in self.ref_counts)
+        if self.state_slots is not None:
+            self.state_slots.check_invariants()

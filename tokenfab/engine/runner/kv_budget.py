@@ -1,5 +1,6 @@
 """How many KV cache blocks the engine allocates: the memory budget (a share of the GPU less weights
-and the measured activation peak, or the CPU's --kv-cache-memory) over the bytes one block takes."""
+and the measured activation peak, or the CPU's --kv-cache-memory), less the recurrent-state slots of a
+hybrid model (runner/state_cache.py), over the bytes one block takes."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ class KVBudgetArgs(Protocol):
 
 
 def kv_cache_blocks(args: KVBudgetArgs, bytes_per_token: int, device: torch.device, max_model_len: int,
-                    make_runner: Callable[[int, int], ModelRunner]) -> int:
+                    make_runner: Callable[[int, int], ModelRunner], state_bytes: int = 0) -> int:
     """Blocks that fit the budget, at most what ``max_num_seqs`` full-length sequences use; a clear
     error when not even one sequence of ``max_model_len`` fits. ``bytes_per_token``: every cache the
-    blocks index (the model's and a draft module's)."""
+    blocks index (the model's and a draft module's). ``state_bytes``: the recurrent-state tensors of a
+    hybrid model (all slots), taken from the budget first (they are allocated whatever the blocks)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks
     per_block = bytes_per_token * args.block_size
@@ -37,15 +39,17 @@ def kv_cache_blocks(args: KVBudgetArgs, bytes_per_token: int, device: torch.devi
         budget = cuda_kv_budget(args, device, max_model_len, make_runner)
     else:
         budget = args.kv_cache_memory or default_cpu_kv_bytes()
+    budget -= state_bytes
     per_seq = -(-max_model_len // args.block_size)
     blocks = budget // per_block
     if blocks < per_seq:
         what = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-memory"
+        states = f" after {state_bytes / 2**20:.0f} MiB of recurrent-state slots" if state_bytes else ""
         raise ValueError(
-            f"the KV cache budget ({max(budget, 0) / 2**20:.0f} MiB, {max(blocks, 0)} blocks of "
+            f"the KV cache budget{states} ({max(budget, 0) / 2**20:.0f} MiB, {max(blocks, 0)} blocks of "
             f"{args.block_size} tokens) cannot hold one sequence of max_model_len={max_model_len} "
             f"tokens ({per_seq} blocks, {per_seq * per_block / 2**20:.0f} MiB): raise {what} or lower "
-            "--max-model-len"
+            "--max-model-len" + (" or --num-state-slots" if state_bytes else "")
         )
     return min(blocks, per_seq * max(args.max_num_seqs, 1))
 

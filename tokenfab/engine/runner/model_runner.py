@@ -6,6 +6,8 @@ modules declare ``kv_cache_spec()`` instead (MLA), one tensor [num_layers, num_b
 *spec] per dtype whose slices are bound to ``module.kv_cache``. A layer's dtype is its
 ``kv_cache_dtype`` (set by ``quant.kv_fp8.configure_kv_cache`` from ``--kv-cache-dtype``), else the
 model dtype; FP8 layers also get their scales bound (``quant.kv_fp8.bind_scales``).
+Modules that keep per-sequence recurrent state (``recurrent_state_spec()``) get their state tensors,
+one row per state slot, bound beside the paged cache (``runner/state_cache.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.state_cache import bind_state_caches, recurrent_state_layers
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.layers.attention import Attention
@@ -80,6 +83,7 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         num_blocks: int,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -115,6 +119,13 @@ class ModelRunner:
         self._cache_owners = owners
         #: some FP8 layer still awaits its first-batch calibration: steps run eagerly until none does
         self.kv_calibrating = any(m.kv_calibrate for m in owners)
+        #: hybrid cache: the recurrent-state tensors by (module path, name), rows = slots + 1 scratch row
+        self.num_state_slots = num_state_slots
+        self.state_caches: dict[tuple[str, str], torch.Tensor] = {}
+        if recurrent_state_layers(model):
+            if num_state_slots < 1:
+                raise ValueError("this model keeps per-sequence recurrent state: the runner needs num_state_slots >= 1")
+            self.state_caches = bind_state_caches(model, num_state_slots, device)
 
     def _bind_paged_caches(self, modules: list[nn.Module]) -> None:
         """Per-layer cache shapes (``paged_cache_layers``): one flat tensor of the model dtype, carved into
@@ -191,7 +202,17 @@ class ModelRunner:
             max_query_len=max(num_new_tokens),
             max_context_len=max(ctx_lens),
             prompt_indices=prompt_idx,
+            state_slots=self._state_slots(seqs),
         )
+
+    def _state_slots(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """[B] int32 slots of the batch's sequences (None without recurrent state)."""
+        if not self.state_caches:
+            return None
+        slots = [s.state_slot for s in seqs]
+        if min(slots) < 0 or max(slots) >= self.num_state_slots:
+            raise ValueError(f"a sequence without a valid state slot in a hybrid-cache batch: {slots}")
+        return torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute_scoring(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -263,6 +284,10 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        # hybrid cache: padding rows use the scratch slot (the last row of the state tensors)
+        self.state_slots = None
+        if runner.state_caches:
+            self.state_slots = torch.full((n,), runner.num_state_slots, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.use_cuda = dev.type == "cuda"
@@ -279,6 +304,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:n], cu_seqlens_q=self.cu_seqlens_q[: n + 1],
             context_lens=self.context_lens[:n], logits_indices=self.logits_indices[:n],
             max_query_len=1, max_context_len=self.max_model_len,
+            state_slots=None if self.state_slots is None else self.state_slots[:n],
         )
 
     @torch.inference_mode()
@@ -322,6 +348,9 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(batch.context_lens)
         self.context_lens[b:n].fill_(1)
         self.block_tables[b:n].zero_()
+        if self.state_slots is not None:
+            self.state_slots[:b].copy_(batch.state_slots)
+            self.state_slots[b:n].fill_(self.runner.num_state_slots)
         if self.use_cuda:
             self.graphs[n].replay()
             return self.outputs[n][:b]

@@ -1,0 +1,72 @@
+"""The recurrent-state half of the hybrid cache: per-sequence state tensors bound to the layers that keep them.
+
+A module that keeps state per sequence (a Gated DeltaNet layer: a conv state and an SSM state) declares
+``recurrent_state_spec() -> {name: (shape, dtype)}``. For each (module, name) the runner allocates one
+tensor [num_slots + 1, *shape] of that dtype on the device and binds it with ``setattr(module, name, t)``;
+row ``s`` is the state of the sequence holding slot ``s`` (``ForwardBatch.state_slots``, handed out by
+``requests/state_slots.py``). The extra last row is a scratch slot: CUDA-graph padding rows of a decode
+batch point at it, so they never write a real sequence's state. The paged KV cache of the model's
+attention layers is allocated beside it as before (a model may have both).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def recurrent_state_layers(model: nn.Module) -> list[nn.Module]:
+    """Modules that declare ``recurrent_state_spec()``, in module order."""
+    return [m for m in model.modules() if callable(getattr(m, "recurrent_state_spec", None))]
+
+
+def has_recurrent_state(model: nn.Module) -> bool:
+    return bool(recurrent_state_layers(model))
+
+
+def state_bytes_per_slot(model: nn.Module) -> int:
+    """Bytes one sequence's recurrent state takes across all layers (0 without recurrent layers)."""
+    total = 0
+    for m in recurrent_state_layers(model):
+        spec: StateSpec = m.recurrent_state_spec()
+        total += sum(math.prod(shape) * dtype.itemsize for shape, dtype in spec.values())
+    return total
+
+
+def state_cache_bytes(model: nn.Module, num_slots: int) -> int:
+    """Device bytes of the state tensors for ``num_slots`` slots (the scratch row included)."""
+    per_slot = state_bytes_per_slot(model)
+    return per_slot * (num_slots + 1) if per_slot else 0
+
+
+def bind_state_caches(model: nn.Module, num_slots: int, device: torch.device) -> dict[tuple[str, str], torch.Tensor]:
+    """Allocate (zeroed) and bind the state tensors; returns them by (module path, state name)."""
+    names = {id(m): path for path, m in model.named_modules()}
+    caches: dict[tuple[str, str], torch.Tensor] = {}
+    for m in recurrent_state_layers(model):
+        spec: StateSpec = m.recurrent_state_spec()
+        for name, (shape, dtype) in spec.items():
+            t = torch.zeros(num_slots + 1, *shape, dtype=dtype, device=device)
+            setattr(m, name, t)
+            caches[(names[id(m)], name)] = t
+    return caches
+
+
+def num_state_slots_for(model: nn.Module, num_state_slots: int | None, max_num_seqs: int,
+                        tensor_parallel_size: int, speculative: bool) -> int:
+    """The state slots an engine allocates for ``model``: 0 without recurrent state, else
+    ``num_state_slots`` (default ``max_num_seqs``). Refuses what the hybrid cache does not support yet:
+    tensor parallelism (the workers would need the same slots bound) and speculative decoding (a
+    rejected draft token would stay folded into the state, which cannot be rolled back as KV can)."""
+    if not has_recurrent_state(model):
+        return 0
+    if tensor_parallel_size != 1:
+        raise ValueError("models with recurrent-state layers (hybrid cache) run with tensor_parallel_size 1 only")
+    if speculative:
+        raise ValueError("speculative decoding is not supported for models with recurrent-state layers: a "
+                         "rejected draft token cannot be taken back out of the state")
+    return num_state_slots or max_num_seqs
