@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tokenfab.engine.kv_transfer.sizes import gib_to_bytes, parse_bytes
+
 
 @dataclass
 class EngineArgs:
@@ -52,6 +54,11 @@ class EngineArgs:
     # KV-cache events over ZeroMQ (vLLM's shape): JSON string or dict {"enable_kv_cache_events": true, "publisher":
     # "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}; None: off (engine/requests/kv_event_publisher.py)
     kv_events_config: str | dict | None = None
+    # the KV tier beyond the device (engine/kv_transfer, docs/kv-tier.md): evicted prefix blocks kept in this many
+    # bytes of host memory, then in files under kv_offload_dir (at most kv_offload_disk_bytes; None: 8 GiB)
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int | None = None
     # False in the engine-core process: outputs carry token ids only (the API server detokenizes and
     # checks stop strings); not a CLI flag
     detokenize: bool = True
@@ -190,6 +197,17 @@ class EngineArgs:
                             help='publish the prefix cache\'s block stored/removed/cleared events over ZeroMQ in '
                             'vLLM\'s format, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
                             '"endpoint": "tcp://*:5557", "topic": "kv-events"}\'')
+        parser.add_argument("--kv-offload-bytes", type=parse_bytes, default=0,
+                            help="keep prefix-cache blocks evicted from the device in this much host memory "
+                            "(e.g. 4GiB) and load them back on a prefix hit instead of recomputing them")
+        parser.add_argument("--kv-offloading-size", dest="kv_offload_bytes", type=gib_to_bytes,
+                            help="vLLM's name for --kv-offload-bytes, in GiB")
+        parser.add_argument("--kv-offload-dir", default=None,
+                            help="blocks pushed out of host memory go to files in a directory of their own made "
+                            "here (removed at exit); the disk level of the tier")
+        parser.add_argument("--kv-offload-disk-bytes", type=parse_bytes, default=None,
+                            help="at most this many bytes of files under --kv-offload-dir, least recently used "
+                            "removed first (default 8GiB)")
         parser.add_argument("--kv-cache-dtype-skip-layers", default=None,
                             help="with an FP8 KV cache, layers that keep the model dtype: comma-separated "
                             "layer indices and/or 'sliding_window' (every sliding-window layer)")

@@ -36,6 +36,7 @@ from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune
 )
 from tokenfab.engine.runner.isolation import isolated_forward, isolated_sample
 from tokenfab.engine.runner.kv_budget import kv_cache_blocks
+from tokenfab.engine.runner.kv_offload import offload_connector_for, offload_stats
 from tokenfab.engine.runner.lora_manager import LoRAManager, lora_manager_for
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
@@ -112,6 +113,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching,
                                           StateSlots(self.num_state_slots) if self.num_state_slots else None)
         self.kv_events = attach_publisher(self.block_manager, args.kv_events_config)  # None: events off
+        # --kv-offload-bytes / --kv-offload-dir: evicted prefix blocks kept beyond the device (None: off)
+        self.kv_connector = offload_connector_for(args, self.runner, spec_config is not None)
+        self.block_manager.connector = self.kv_connector
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.background_prefill_share, args.background_decodes_while_online,
                                    args.background_max_prefill_tokens)
@@ -155,6 +159,8 @@ class LLMEngine:
             self.tp.shutdown()
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -336,4 +342,5 @@ class LLMEngine:
             kv_bytes_per_token=self.memory["kv_bytes_per_token"],
             quantized_weight_bytes_per_param=self.memory.get("quantized_weight_bytes_per_param", 0.0),
             **(self.spec.stats() if self.spec is not None else {}),
+            **offload_stats(bm),
         )

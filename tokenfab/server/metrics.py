@@ -70,6 +70,27 @@ class _EngineCollector(Collector):
                       get("computed_prompt_tokens_total"))
         yield counter("num_preemptions", "Sequences preempted for lack of KV cache.",
                       get("num_preemptions_total"))
+        # the KV tier beyond the device (--kv-offload-bytes; all 0 when off)
+        yield counter("kv_offload_queries", "Prompt tokens looked up in the KV tier past the local prefix hit.",
+                      get("kv_offload_queries_total"))
+        yield counter("kv_offload_hits", "Prompt tokens loaded from the KV tier instead of recomputed.",
+                      get("kv_offload_hits_total"))
+        yield counter("kv_offload_misses", "Prompt tokens looked up in the KV tier and not found.",
+                      get("kv_offload_misses_total"))
+        yield counter("kv_offload_saved_blocks", "Evicted KV blocks copied into the KV tier.",
+                      get("kv_offload_saved_blocks_total"))
+        yield counter("kv_offload_loaded_blocks", "KV blocks loaded from the KV tier.",
+                      get("kv_offload_loaded_blocks_total"))
+        yield counter("kv_offload_failed_blocks", "KV blocks the tier could not deliver (file gone or corrupt).",
+                      get("kv_offload_failed_blocks_total"))
+        yield counter("kv_offload_spilled_blocks", "KV blocks moved from host memory to disk.",
+                      get("kv_offload_spilled_blocks_total"))
+        yield counter("kv_offload_dropped_blocks", "KV blocks dropped from the tier (full).",
+                      get("kv_offload_dropped_blocks_total"))
+        yield gauge("kv_offload_host_bytes", "Bytes of KV blocks held in host memory.", get("kv_offload_host_bytes"))
+        yield gauge("kv_offload_disk_bytes", "Bytes of KV blocks held on disk.", get("kv_offload_disk_bytes"))
+        yield gauge("kv_offload_host_blocks", "KV blocks held in host memory.", get("kv_offload_host_blocks"))
+        yield gauge("kv_offload_disk_blocks", "KV blocks held on disk.", get("kv_offload_disk_blocks"))
         yield counter("engine_steps", "Model steps run.", get("num_steps"))
         yield gauge("last_step_num_seqs", "Sequences in the latest step's batch.", get("last_step_num_seqs"))
         yield gauge("last_step_prefill_tokens", "Prompt tokens in the latest step.", get("last_step_prefill_tokens"))

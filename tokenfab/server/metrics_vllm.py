@@ -17,6 +17,8 @@ vllm:prefix_cache_hits_total                 counter   of which found
 vllm:prompt_tokens_total                     counter   prompt tokens received
 vllm:generation_tokens_total                 counter   tokens generated
 vllm:num_preemptions_total                   counter   sequences preempted for lack of KV cache
+vllm:external_prefix_cache_queries_total     counter   prompt tokens looked up in the KV tier (--kv-offload-bytes)
+vllm:external_prefix_cache_hits_total        counter   of which loaded from it
 vllm:request_success_total                   counter   finished requests, label ``finished_reason``
 vllm:time_to_first_token_seconds             histogram per request
 vllm:e2e_request_latency_seconds             histogram per request
@@ -78,6 +80,12 @@ class VllmEngineCollector(Collector):
                      get("generation_tokens_total"))
         yield family(CounterMetricFamily, "num_preemptions", "Cumulative number of preemption from the engine.",
                      get("num_preemptions_total"))
+        yield family(CounterMetricFamily, "external_prefix_cache_queries", "External prefix cache queries from KV "
+                     "connector cross-instance cache sharing, in terms of number of queried tokens.",
+                     get("kv_offload_queries_total"))
+        yield family(CounterMetricFamily, "external_prefix_cache_hits", "External prefix cache hits from KV "
+                     "connector cross-instance cache sharing, in terms of number of cached tokens.",
+                     get("kv_offload_hits_total"))
 
 
 class VllmRequestMetrics:

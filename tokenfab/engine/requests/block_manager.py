@@ -24,6 +24,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
+from tokenfab.engine.kv_transfer.connector import KVConnector
 from tokenfab.engine.requests.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -76,6 +77,13 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of which found
         self.event_listeners: list[KVEventListener] = []
+        # a KV tier beyond the device (engine/kv_transfer, --kv-offload-bytes): evicted blocks are saved to it
+        # before their digests are forgotten, and a new sequence's prefix goes on there where the local hit ends.
+        # Counters in prompt tokens, as vLLM's external_prefix_cache_queries / _hits
+        self.connector: KVConnector | None = None
+        self.connector_queries = 0
+        self.connector_hits = 0
+        self._evicted: list[tuple[bytes, int]] = []  # (digest, block) forgotten by _pop_free, not saved yet
         # hybrid cache: per-sequence recurrent-state slots, taken with a sequence's first blocks and
         # given back with its blocks (None: the model keeps no recurrent state)
         self.state_slots = state_slots
@@ -140,10 +148,15 @@ class BlockManager:
             self._take(block)
             seq.block_table.append(block)
             hit += 1
+        local = hit
+        if self.connector is not None and hit < len(hashes):
+            self.connector_queries += (len(hashes) - hit) * self.block_size
+            hit += self._load_from_connector(seq, hashes, hit)
+            self.connector_hits += (hit - local) * self.block_size
         seq.num_computed_tokens = hit * self.block_size
         seq.num_committed_blocks = hit
         self.prefix_queries += seq.num_tokens
-        self.prefix_hits += seq.num_computed_tokens
+        self.prefix_hits += local * self.block_size
         return seq.num_computed_tokens
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -192,6 +205,8 @@ class BlockManager:
         if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.connector is not None:
+                    self._evicted.append((h, block))
                 if self.event_listeners:
                     self._emit(BlockRemoved([h]))
             self.block_hash[block] = None
@@ -208,7 +223,55 @@ class BlockManager:
             return False  # no slot free: admission waits, as for blocks
         for _ in range(need):
             seq.block_table.append(self._pop_free())
+        self._save_evicted()
         return True
+
+    # ---- the KV tier beyond the device (connector) -----------------------------------
+    def _save_evicted(self) -> None:
+        """Hand the blocks evicted since the last call to the connector. Called before anything can write to
+        them: they were just taken for this schedule step, whose forward runs later."""
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            self.connector.save([h for h, _ in evicted], [b for _, b in evicted])
+
+    def _load_from_connector(self, seq: Sequence, hashes: list[bytes], start: int) -> int:
+        """Extend seq's prefix hit from the connector: the leading run of ``hashes[start:]`` it holds, as far as
+        free blocks allow (blocks of the run still cached here are taken, not loaded). Loaded blocks join the
+        prefix cache. Returns the blocks added to seq's block table."""
+        run = hashes[start:start + self.connector.lookup(hashes[start:])]
+        local = [self.cached.get(h) for h in run]
+        free = self.num_free_blocks - sum(1 for b in local if b is not None and self.ref_counts[b] == 0)
+        keep = missing = 0
+        for b in local:
+            if b is None:
+                if missing == free:
+                    break
+                missing += 1
+            keep += 1
+        run, local = run[:keep], local[:keep]
+        for b in local:  # first, so that taking blocks for the loads cannot evict them
+            if b is not None:
+                self._take(b)
+        blocks = [b if b is not None else self._pop_free() for b in local]
+        self._save_evicted()  # before the loads overwrite them
+        wanted = [i for i, b in enumerate(local) if b is None]
+        loaded = self.connector.load([run[i] for i in wanted], [blocks[i] for i in wanted]) if wanted else 0
+        cut = wanted[loaded] if loaded < len(wanted) else len(run)  # the chain breaks at the first failed load
+        for b in reversed(blocks[cut:]):  # give back what lies beyond it
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_queue[b] = None
+                if self.block_hash[b] is None:
+                    self.free_queue.move_to_end(b, last=False)  # empty: the first to be reused
+        stored = []
+        for i in wanted[:loaded]:
+            self.block_hash[blocks[i]] = run[i]
+            self.cached[run[i]] = blocks[i]
+            stored.append(start + i)
+        seq.block_table.extend(blocks[:cut])
+        if stored and self.event_listeners:
+            self._emit_stored(seq, hashes, stored)
+        return cut
 
     def trim(self, seq: Sequence) -> None:
         """Free the tail blocks beyond those holding seq's computed tokens (speculative decoding:
@@ -237,6 +300,8 @@ class BlockManager:
             self.state_slots.free(seq)
 
     def reset_prefix_cache(self) -> None:
+        if self.connector is not None:
+            self.connector.clear()
         for block in list(self.cached.values()):
             self.block_hash[block] = None
         self.cached.clear()

@@ -38,3 +38,18 @@ class EngineStats:
     # prefix cache, in prompt tokens: looked up / found (vLLM's prefix_cache_queries / prefix_cache_hits)
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # the KV tier beyond the device (--kv-offload-bytes; all 0 when off): prompt tokens looked up there past the
+    # local prefix hit / found and loaded / not found (vLLM's external_prefix_cache_queries / _hits), blocks
+    # loaded, saved, not delivered by a load, moved host -> disk, forgotten; blocks and bytes held now
+    kv_offload_queries_total: int = 0
+    kv_offload_hits_total: int = 0
+    kv_offload_misses_total: int = 0
+    kv_offload_loaded_blocks_total: int = 0
+    kv_offload_saved_blocks_total: int = 0
+    kv_offload_failed_blocks_total: int = 0
+    kv_offload_spilled_blocks_total: int = 0
+    kv_offload_dropped_blocks_total: int = 0
+    kv_offload_host_blocks: int = 0
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_disk_bytes: int = 0
