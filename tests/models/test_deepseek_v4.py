@@ -96,7 +96,7 @@ BATCH_ARRIVALS = [0, 0, 2, 5]
 ALL_PATHS = {"mixed", "chunked", "decodes", "long+short", "long+short decodes"}
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: the slow twin
 def test_batched_chunked_long_and_short_match_transformers(tiny, block_size):
     hf, path, _ = tiny
     engine = _engine(path, block_size=block_size, num_kv_blocks=64 // (block_size // 4), max_num_batched_tokens=7)
@@ -105,27 +105,34 @@ def test_batched_chunked_long_and_short_match_transformers(tiny, block_size):
     assert_batch_matches_hf(hf, BATCH_PROMPTS, tokens, logprobs)
 
 
-def test_batched_equals_alone_and_prefix_hits(tiny):
-    """Greedy tokens batched equal alone; a second request sharing a 16-token prefix reuses its blocks
-    (their token rows and compressed entries) and still equals transformers."""
-    hf, path, engine = tiny
-    alone = [greedy_tokens(engine, [p], 6, f"a{i}-")[0] for i, p in enumerate(PROMPTS)]
-    assert greedy_tokens(engine, PROMPTS, 6, "b") == alone
+def test_llm_alone_and_batched_greedy_equal_transformers(tiny):
+    """Through the public ``LLM`` class: each prompt alone and all in one call (chunks of 5 tokens), 8 greedy
+    tokens equal to transformers' argmax at every step."""
+    from tokenfab import LLM, SamplingParams
+
+    hf, path, _ = tiny
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=5)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [list(llm.generate(p, params)[0].outputs[0].token_ids) for p in PROMPTS]
+    batched = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    assert batched == alone
+    for prompt, gen in zip(PROMPTS, alone):
+        ref = hf_logits(hf, prompt + gen)[len(prompt) - 1 : -1].argmax(dim=-1)
+        assert gen == ref.tolist()
+
+
+def test_prefix_cache_hits_match_transformers(tiny):
+    """A request sharing a 16-token prefix with a finished one reuses its blocks (token rows and compressed
+    entries, which sit in the block of their window's last token) and still equals transformers."""
+    hf, path, _ = tiny
     cached = _engine(path, enable_prefix_caching=True)
     long = list(range(40, 63))
     shared = long[:16] + [7, 8, 9, 10, 11]
-    expect = [[int(t) for t in _hf_greedy(hf, p, 5)] for p in (long, shared)]
-    assert greedy_tokens(cached, [long], 5, "c") == [expect[0]]
+    tokens, logprobs, _ = run_batch(cached, [long], 5)
     before = cached.computed_prompt_tokens_total
-    assert greedy_tokens(cached, [shared], 5, "d") == [expect[1]]
+    tokens2, logprobs2, _ = run_batch(cached, [shared], 5)
     assert cached.computed_prompt_tokens_total - before <= len(shared) - 16
-
-
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = list(ids)
-    for _ in range(n):
-        out.append(int(hf_logits(hf, out)[-1].argmax()))
-    return out[len(ids):]
+    assert_batch_matches_hf(hf, [long, shared], tokens + tokens2, logprobs + logprobs2)
 
 
 def test_kv_cache_rows_are_written_once_per_window(tiny):

@@ -122,7 +122,7 @@ class DeepseekV4Attention(nn.Module):
         rows = self.kv_cache.view(-1, self.token_width)
         new = torch.cat([kv] + [c.token_rows(x, pos) for c in self._compressors()], dim=-1)
         keep = batch.slot_mapping >= 0  # padded rows (-1) write nothing
-        rows.index_copy_(0, batch.slot_mapping[keep], new[keep].to(rows.dtype))
+        rows[batch.slot_mapping[keep]] = new[keep].to(rows.dtype)
 
         block_size = self.kv_cache.shape[1]
         win = CompressedLayout(block_size, 1)
@@ -162,7 +162,7 @@ class DeepseekV4Attention(nn.Module):
             new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset)[2])
         if window.numel():
             where = layout.entry_rows(tables, seq, window)
-            entries.index_copy_(0, where, torch.cat(new, dim=-1).to(entries.dtype))
+            entries[where] = torch.cat(new, dim=-1).to(entries.dtype)
         n = batch.max_context_len // m
         ids = torch.arange(n, device=x.device)
         visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [T, N]

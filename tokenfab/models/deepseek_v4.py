@@ -94,14 +94,14 @@ class DeepseekV4MoE(FusedMoE):
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_experts is not None:
             return self.quant_experts(x, weights, ids)
-        out = torch.zeros_like(x)
+        per_slot = x.new_zeros(ids.shape[0], ids.shape[1], x.shape[1])  # each (token, slot) written once
         i = self.intermediate_size
         for e in torch.unique(ids).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             gate_up = F.linear(x[tok], self.w13_weight[e])
             y = F.linear(clamped_swiglu(gate_up[:, :i], gate_up[:, i:], self.swiglu_limit), self.w2_weight[e])
-            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        return out
+            per_slot[tok, slot] = (y * weights[tok, slot, None]).to(x.dtype)
+        return per_slot.sum(dim=1)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._input_ids = input_ids
