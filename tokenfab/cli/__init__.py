@@ -32,6 +32,7 @@ BENCH_COMMANDS = {
     "comm": ("tokenfab.bench.comm", "TP bytes/token on gloo ranks vs tokenfab plan; 1 vs N ranks"),
     "cpu": ("tokenfab.bench.cpu", "bundled GGUF vs llama.cpp's llama-bench/batched-bench, transformers, roofline"),
     "lora": ("tokenfab.bench.lora", "16 streams over 8 LoRA adapters vs the base; online TTFT with a batch running"),
+    "kv-tier": ("tokenfab.bench.kv_tier", "second-turn TTFT with the KV tier (host memory, disk) vs recompute"),
 }
 
 
