@@ -29,6 +29,7 @@ from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.layers.lora import LORA_TARGETS, attach_lora
+from tokenfab.layers.moe_lora import attach_moe_lora, moe_lora_targets
 from tokenfab.loader.lora_adapter import LoRAWeights, load_lora_weights, lora_targets_of, shard_sizes_of
 from tokenfab.models.llama import CausalLM
 
@@ -46,8 +47,10 @@ class LoRAManager:
         self.model, self.device, self.dtype = model, device, dtype
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.pools = attach_lora(model, shard_sizes_of, max_loras, max_lora_rank, dtype, device)
+        # MoE experts (layers.moe_lora): pools on the layers that can take LoRA, the others' reasons
+        self.moe_pools, moe_refused = attach_moe_lora(model, self.state, max_loras, max_lora_rank, dtype, device)
         #: what adapters may target, as plain data (an API server checks adapter files against it)
-        self.targets = lora_targets_of(model, LORA_TARGETS)
+        self.targets = {**lora_targets_of(model, LORA_TARGETS), **moe_lora_targets(self.moe_pools, moe_refused)}
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAWeights]] = OrderedDict()  # LRU, newest last
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> device slot, LRU newest last
         self.num_loads = 0  # adapters read from disk (tests: LRU eviction reloads)
@@ -81,6 +84,9 @@ class LoRAManager:
         return list(self.host)
 
     # ---- scheduling -----------------------------------------------------------------
+    #: the adapters (lora_int_id) of the latest step: a running sequence of another adapter is held back (stats)
+    last_step_ids: frozenset[int] = frozenset()
+
     def limit_batch(self, batch: ScheduledBatch) -> None:
         """Keep at most ``max_loras`` distinct adapters in the step; the others' sequences wait."""
         keep: set[int] = set()
@@ -92,6 +98,7 @@ class LoRAManager:
             lid = _lora_id(batch.seqs[i])
             if lid and lid not in keep:
                 batch.remove(i)
+        self.last_step_ids = frozenset(keep)
 
     # ---- the step -------------------------------------------------------------------
     def token_slots(self, seqs: list[Sequence], counts: list[int]) -> list[int] | None:
@@ -123,6 +130,8 @@ class LoRAManager:
             slot = self.slot_of.pop(victim)
         for path, pool in self.pools.items():
             pool.set_slot(slot, weights.modules.get(path))
+        for path, moe_pool in self.moe_pools.items():
+            moe_pool.set_slot(slot, weights.moe.get(path))
         self.slot_of[lid] = slot
         return slot
 
