@@ -22,6 +22,7 @@ layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compre
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -110,6 +111,12 @@ class DeepseekV4Attention(nn.Module):
             shapes["comp_cache"] = (CompressedLayout(block_size, self.ratio).rows_per_block, self.entry_width)
         return shapes
 
+    def token_rows_read(self) -> int:
+        """How many trailing token rows a step can still read: the window, and the rows of the windows not yet
+        compressed (CSA pools two). Older rows stay allocated in the paged cache (not released yet)."""
+        lookback = {SLIDING: 0, HCA: self.ratio, CSA: 2 * self.ratio}[self.layer_type]
+        return max(self.sliding_window, lookback)
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, seq_of_token: torch.Tensor) -> torch.Tensor:
@@ -171,3 +178,19 @@ class DeepseekV4Attention(nn.Module):
             return entries[at][..., :d], visible
         picks = self.indexer.select(x, q_resid, pos, entries[at][..., d:], visible)
         return entries[at.gather(1, picks.clamp(min=0))][..., :d], picks >= 0
+
+
+def cache_bytes_per_token(layers: list[DeepseekV4Attention], context_len: int, block_size: int,
+                          dtype: torch.dtype, live_only: bool = False) -> float:
+    """Cache bytes per token of one sequence of ``context_len`` tokens over ``layers``, from their per-block
+    shapes: as allocated (every token row kept), or ``live_only`` (token rows older than ``token_rows_read``
+    released, which the block manager does not do yet: the compressed entries and a window of rows)."""
+    blocks = -(-context_len // block_size)
+    total = 0
+    for a in layers:
+        shapes = a.paged_cache_shapes(block_size)
+        row_blocks = min(blocks, -(-a.token_rows_read() // block_size) + 1) if live_only else blocks
+        total += row_blocks * math.prod(shapes["kv_cache"])
+        if "comp_cache" in shapes:
+            total += blocks * math.prod(shapes["comp_cache"])
+    return total * dtype.itemsize / context_len
