@@ -1,6 +1,6 @@
 """fused_experts_lora (multi-LoRA on MoE experts): the Triton path (interpreter on CPU) and the CPU path against
 the reference; the reference against a per-token loop written from the equations; a base token's row equals the
-plain experts'."""
+plain experts'; the Triton path compiled for Hopper (sm_90) without spills."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.hopper_harness import assert_fits_hopper
 from tests.kernels.tolerances import assert_close
 from tokenfab.kernels import moe, moe_lora
 
@@ -102,3 +103,24 @@ def test_bad_pools_are_refused(gen, device):
         moe_lora._fused_experts_lora_triton(x, w13, w2, w, ids, slots, *pools)
     with pytest.raises(ValueError, match="token_slots"):
         moe_lora.fused_experts_lora_ref(x, w13, w2, w, ids, slots[:2], *pools)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param([("moe_lora_hopper_compile.py", ("--quick",))], id="quick"),
+    pytest.param([("moe_lora_hopper_compile.py", ())], id="full", marks=pytest.mark.slow)])
+def hopper_runs(request) -> list:
+    """The fast tier compiles decode and 2048-token prefill at a Qwen3-30B-A3B shape; the slow twin every workload."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hopper_records(hopper_batch, hopper_runs) -> list[dict]:
+    return hopper_batch(hopper_runs)
+
+
+def test_compiles_for_hopper(hopper_records):
+    kernels = {r["kernel"] for r in hopper_records}
+    assert {"_moe_gate_up_delta_kernel", "_lora_bgmv_kernel", "_moe_down_kernel", "_moe_sum_kernel"} <= kernels
+    assert_fits_hopper(hopper_records)
+    prefill = [r for r in hopper_records if "T=2048" in r["workload"] and r["kernel"] == "_moe_gate_up_delta_kernel"]
+    assert prefill and all(r["hgmma"] > 0 for r in prefill)  # the prefill tiles on Hopper's warp-group MMA
