@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -36,11 +35,14 @@ def make_moe_peft_adapter(base, path: Path, r: int, seed: int, target_parameters
 
 
 def per_expert_copy(src: Path, dst: Path, num_experts: int, hidden: int, inter: int,
-                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Path:
+                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), block: str | None = None,
+                    v4_config: bool = False) -> Path:
     """``src`` (PEFT's 3-D layout on gate_up_proj and down_proj) rewritten as one plain LoRA pair per expert and
     projection, ``<block>.experts.<e>.<gate|up|down name>``. PEFT's layout (``ParamWrapper``): lora_A [r*E, in],
     expert e's rows e*r .. e*r + r; lora_B [out, r*E] viewed as [out, r, E], expert e's [:, :, e]; the gate_up
-    pair's B rows are gate's then up's, its A shared by both."""
+    pair's B rows are gate's then up's, its A shared by both. ``block``: the MoE block's last name in the copy
+    (Mixtral's transformers-4 ``block_sparse_moe``); ``v4_config``: the config as PEFT wrote it for transformers 4
+    (the expert projections in ``target_modules``, no ``target_parameters``), which PEFT itself converts on load."""
     cfg = json.loads((src / "adapter_config.json").read_text())
     r = cfg["r"]
     out: dict[str, torch.Tensor] = {}
@@ -53,7 +55,9 @@ def per_expert_copy(src: Path, dst: Path, num_experts: int, hidden: int, inter: 
                 continue
             if not key.endswith("lora_A.weight"):
                 continue
-            block = module[: module.index(".experts")]
+            block_path = module[: module.index(".experts")]
+            if block is not None:
+                block_path = f"{block_path.rpartition('.')[0]}.{block}"
             a = t.reshape(num_experts, r, -1)
             b = f.get_tensor(key.replace("lora_A", "lora_B"))
             b = b.reshape(b.shape[0], r, num_experts).permute(2, 0, 1)
@@ -63,9 +67,12 @@ def per_expert_copy(src: Path, dst: Path, num_experts: int, hidden: int, inter: 
                 parts = {names[2]: b}
             for leaf, bb in parts.items():
                 for e in range(num_experts):
-                    out[f"{block}.experts.{e}.{leaf}.lora_A.weight"] = a[e].clone()
-                    out[f"{block}.experts.{e}.{leaf}.lora_B.weight"] = bb[e].clone()
+                    out[f"{block_path}.experts.{e}.{leaf}.lora_A.weight"] = a[e].clone()
+                    out[f"{block_path}.experts.{e}.{leaf}.lora_B.weight"] = bb[e].clone()
     dst.mkdir(parents=True, exist_ok=True)
-    shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
+    if v4_config:
+        cfg["target_modules"] = sorted(set(cfg.get("target_modules") or []) | set(names))
+        cfg["target_parameters"] = None
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
     save_file(out, str(dst / "adapter_model.safetensors"))
     return dst

@@ -46,7 +46,7 @@ def moe_setup(tmp_path_factory):
         "d": make_moe_peft_adapter(base, root / "d", 16, 3, ["mlp.experts.down_proj"]),
     }
     adapters["pe"] = per_expert_copy(adapters["e"], root / "pe", cfg.num_experts, cfg.hidden_size,
-                                     cfg.moe_intermediate_size)
+                                     cfg.moe_intermediate_size, v4_config=True)
     return str(root / "base"), base, adapters
 
 
@@ -54,7 +54,7 @@ def moe_setup(tmp_path_factory):
 def references(moe_setup):
     _, base, adapters = moe_setup
     return {name: merged_greedy(base, None if name is None else adapters[name], PROMPTS, N_NEW)
-            for name in (None, "e", "ea", "d")}
+            for name in (None, "e", "ea", "d", "pe")}
 
 
 def _engine(base_dir: str, **kw) -> LLMEngine:
@@ -115,9 +115,11 @@ def test_each_adapter_alone_equals_peft_merged(moe_setup, references):
 
 
 def test_per_expert_layout_equals_the_3d_layout(moe_setup, references):
-    """The per-expert naming (experts.<e>.gate_proj/up_proj/down_proj) of adapter e: the same tokens as PEFT on e,
-    next to e itself and the base in one batch."""
+    """The per-expert naming (experts.<e>.gate_proj/up_proj/down_proj, a transformers-4 PEFT config) of adapter e:
+    PEFT itself converts it on load to e's merged weights; the engine gives those tokens, next to e itself and the
+    base in one batch."""
     base_dir, _, adapters = moe_setup
+    assert references["pe"] == references["e"]  # PEFT's own reading of the per-expert layout
     engine = _engine(base_dir)
     jobs = [(PROMPTS[0], _req(adapters, "pe")), (PROMPTS[0], _req(adapters, "e")), (PROMPTS[1], None),
             (PROMPTS[3], _req(adapters, "pe"))]
