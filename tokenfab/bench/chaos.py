@@ -109,6 +109,15 @@ def _blame(records: list[Record], kills: list[Kill], window: float) -> dict[str,
     return out
 
 
+def _samples(records: list[Record], t_start: float) -> list[dict]:
+    """Every failure but the router's own 503s (up to 200), then a few of those."""
+    failed = [r for r in records if r.outcome != "ok" and r.outcome not in RETRYABLE]
+    ours = [r for r in failed if r.outcome != "router_503"]
+    picked = ours[:200] + [r for r in failed if r.outcome == "router_503"][:5]
+    return [{"t": round(r.end - t_start, 1), "kind": r.kind, "stream": r.stream, "outcome": r.outcome,
+             "status": r.status, "detail": r.detail} for r in sorted(picked, key=lambda r: r.end)]
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else None
@@ -151,9 +160,7 @@ async def _run(args: argparse.Namespace, model_id: str, instances: list[Instance
         "kills_skipped": skipped, "unrecovered": sum(k.recovery_s is None for k in kills),
         "recovery_s": {"n": len(recoveries), "p50": _pct(recoveries, 0.5), "p99": _pct(recoveries, 0.99),
                        "max": round(max(recoveries), 2) if recoveries else None},
-        "failure_samples": [{"t": round(r.end - t_start, 1), "kind": r.kind, "stream": r.stream,
-                             "outcome": r.outcome, "status": r.status, "detail": r.detail}
-                            for r in load.records if r.outcome != "ok" and r.outcome not in RETRYABLE][:40],
+        "failure_samples": _samples(load.records, t_start),
         "rss": {str(i.index): i.rss for i in instances}, "rss_summary": rss_summary(instances),
         "restarts": {str(i.index): i.generation - 1 for i in instances},
     }
