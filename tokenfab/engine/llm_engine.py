@@ -24,7 +24,7 @@ from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.state_slots import StateSlots
-from tokenfab.engine.requests.stats import EngineStats
+from tokenfab.engine.requests.stats import EngineStats, lora_adapter_counts
 from tokenfab.engine.runner.cpu_threads import configure_engine_threads
 from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
     log_memory_figures,
@@ -343,4 +343,13 @@ class LLMEngine:
             quantized_weight_bytes_per_param=self.memory.get("quantized_weight_bytes_per_param", 0.0),
             **(self.spec.stats() if self.spec is not None else {}),
             **offload_stats(bm),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, dict[str, int]]:
+        """Sequences per adapter, running and waiting (vllm:lora_requests_info); none without --enable-lora."""
+        if self.lora is None:
+            return {}
+        running, waiting = lora_adapter_counts(self.scheduler.running, self.scheduler.waiting,
+                                               self.lora.last_step_ids)
+        return {"running_lora_adapters": running, "waiting_lora_adapters": waiting}

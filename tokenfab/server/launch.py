@@ -67,7 +67,8 @@ def serve_on(args: argparse.Namespace, engine: object, sock: socket.socket) -> N
                           load_report=getattr(args, "load_report", "vllm-router"),
                           enable_lora=getattr(args, "enable_lora", False),
                           lora_modules=getattr(args, "lora_modules", None),
-                          max_lora_rank=getattr(args, "max_lora_rank", None))
+                          max_lora_rank=getattr(args, "max_lora_rank", None),
+                          max_loras=getattr(args, "max_loras", 1))
     app = build_app(async_engine, config, BatchConfig.from_cli_args(args), FineTuningConfig.from_cli_args(args))
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,

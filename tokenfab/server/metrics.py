@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenfab.server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
+from tokenfab.server.metrics_vllm import VllmEngineCollector, VllmLoraCollector, VllmRequestMetrics
 
 PREFIX = "tokenfab"
 
@@ -106,6 +106,30 @@ class _EngineCollector(Collector):
                       get("spec_verify_seconds_total"))
 
 
+class _LoraCollector(Collector):
+    """Our LoRA series: the adapters the server serves, and per adapter its running and waiting sequences."""
+
+    def __init__(self, stats: Callable[[], Any], adapters: Callable[[], list[str]], model: str) -> None:
+        self._stats = stats
+        self._adapters = adapters
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        names = sorted(self._adapters())
+        loaded = GaugeMetricFamily(f"{PREFIX}_lora_adapters_loaded", "LoRA adapters served (--lora-modules and "
+                                   "/v1/load_lora_adapter).", labels=["model_name"])
+        loaded.add_metric([self._model], float(len(names)))
+        yield loaded
+        for kind, doc in (("running", "in the running batch"), ("waiting", "waiting to be scheduled")):
+            counts = getattr(s, f"{kind}_lora_adapters", None) or {}
+            g = GaugeMetricFamily(f"{PREFIX}_lora_requests_{kind}", f"Sequences {doc}, per LoRA adapter.",
+                                  labels=["model_name", "lora_name"])
+            for name in sorted(set(names) | set(counts)):  # an unloaded adapter's requests still finish
+                g.add_metric([self._model, name], float(counts.get(name, 0)))
+            yield g
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], Any] | None = None,
                  waiting: Callable[[], int] | None = None) -> None:
@@ -124,9 +148,17 @@ class ServerMetrics:
         self.http_errors = Counter(f"{PREFIX}_request_errors", "Requests answered with an error status.",
                                    ["model_name", "status"], registry=self.registry)
         self.vllm = VllmRequestMetrics(self.registry, model_name, _TTFT_BUCKETS, _TPOT_BUCKETS, _E2E_BUCKETS)
+        self._stats = stats
         if stats is not None:
             self.registry.register(_EngineCollector(stats, waiting or (lambda: 0), model_name))
             self.registry.register(VllmEngineCollector(stats, waiting or (lambda: 0), model_name))
+
+    def register_lora(self, adapters: Callable[[], list[str]], max_loras: int) -> None:
+        """With --enable-lora: vLLM's ``vllm:lora_requests_info`` and our ``tokenfab_lora_*`` series;
+        ``adapters`` gives the names of the adapters served now."""
+        if self._stats is not None:
+            self.registry.register(VllmLoraCollector(self._stats, max_loras))
+            self.registry.register(_LoraCollector(self._stats, adapters, self.model_name))
 
     # Hooks called on the engine thread (prometheus_client metrics are thread-safe).
     def on_first_token(self, ttft: float) -> None:

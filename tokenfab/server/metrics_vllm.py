@@ -24,13 +24,19 @@ vllm:time_to_first_token_seconds             histogram per request
 vllm:e2e_request_latency_seconds             histogram per request
 vllm:time_per_output_token_seconds           histogram per request mean after the first token
 vllm:request_time_per_output_token_seconds   histogram the same (vLLM's newer name)
+vllm:lora_requests_info                      gauge     with --enable-lora: labels ``max_lora``,
+                                                       ``running_lora_adapters``, ``waiting_lora_adapters``
 ============================================ ========= ==========================================================
 
-``vllm:lora_requests_info`` is not exported: it needs the server's LoRA registry (another issue's work).
+``vllm:lora_requests_info`` is vLLM's: no ``model_name`` / ``engine`` labels; the adapters with running (waiting)
+sequences joined by commas in the labels, ``max_lora`` the adapters one step may hold (``--max-loras``), the value
+the time of the reading (Unix seconds), as vLLM's ``set_to_current_time``. vLLM keeps every label set it ever set,
+and its readers (the inference gateway's endpoint picker) take the newest; we show only the current one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -86,6 +92,23 @@ class VllmEngineCollector(Collector):
         yield family(CounterMetricFamily, "external_prefix_cache_hits", "External prefix cache hits from KV "
                      "connector cross-instance cache sharing, in terms of number of cached tokens.",
                      get("kv_offload_hits_total"))
+
+
+class VllmLoraCollector(Collector):
+    """``vllm:lora_requests_info``, read from the engine's latest stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], Any], max_loras: int) -> None:
+        self._stats = stats
+        self._max_loras = str(max_loras)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        running = getattr(s, "running_lora_adapters", None) or {}
+        waiting = getattr(s, "waiting_lora_adapters", None) or {}
+        m = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        m.add_metric([self._max_loras, ",".join(sorted(waiting)), ",".join(sorted(running))], time.time())
+        yield m
 
 
 class VllmRequestMetrics:

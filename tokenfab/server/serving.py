@@ -46,10 +46,11 @@ class ServerConfig:
     reasoning_parser: str | None = None
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (responses_store.py)
     responses_ttl: float = 3600.0
-    # multi-LoRA (lora_registry.py): --enable-lora, --lora-modules, --max-lora-rank
+    # multi-LoRA (lora_registry.py): --enable-lora, --lora-modules, --max-lora-rank, --max-loras
     enable_lora: bool = False
     lora_modules: list | None = None
     max_lora_rank: int | None = None
+    max_loras: int = 1  # --max-loras: adapters one engine step holds (reported by vllm:lora_requests_info)
     load_report: str = "vllm-router"  # the shape of GET /get_load (fleet_routes.py): vllm-router or sglang-router
 
 
@@ -83,6 +84,8 @@ class OpenAIServer:
             if not self.config.enable_lora:
                 raise ValueError("--lora-modules needs --enable-lora")
             self.loras.add(*parse_lora_module(spec), stable_id=True)
+        if self.config.enable_lora:
+            self.metrics.register_lora(lambda: list(self.loras.adapters), self.config.max_loras)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import zmq
@@ -122,6 +122,9 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     out = {}
     for f in dataclasses.fields(EngineStats):
         values = [getattr(s, f.name) for s in stats]
+        if isinstance(values[0], dict):  # counts by name (LoRA adapters): summed name by name
+            out[f.name] = dict(sum((Counter(v) for v in values), Counter()))
+            continue
         out[f.name] = sum(values) if f.type in ("int", int) else sum(values) / len(values)
     total = out["num_total_blocks"]
     out["kv_cache_usage"] = out["num_used_blocks"] / total if total else 0.0

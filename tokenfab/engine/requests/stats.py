@@ -3,7 +3,11 @@ engine-core client (field by field over IPC) and the benchmarks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenfab.engine.requests.sequence import Sequence
 
 
 @dataclass
@@ -38,6 +42,9 @@ class EngineStats:
     # prefix cache, in prompt tokens: looked up / found (vLLM's prefix_cache_queries / prefix_cache_hits)
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # multi-LoRA: sequences per adapter name, running and waiting (vLLM's vllm:lora_requests_info; empty when off)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # the KV tier beyond the device (--kv-offload-bytes; all 0 when off): prompt tokens looked up there past the
     # local prefix hit / found and loaded / not found (vLLM's external_prefix_cache_queries / _hits), blocks
     # loaded, saved, not delivered by a load, moved host -> disk, forgotten; blocks and bytes held now
@@ -53,3 +60,17 @@ class EngineStats:
     kv_offload_host_bytes: int = 0
     kv_offload_disk_blocks: int = 0
     kv_offload_disk_bytes: int = 0
+
+
+def lora_adapter_counts(running: Iterable[Sequence], waiting: Iterable[Sequence],
+                        stepped: frozenset[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Sequences per adapter name, (running, waiting): a running sequence whose adapter was not in the latest
+    step (``stepped``: lora_int_ids; --max-loras held it back) counts as waiting, as in vLLM, where it would not
+    have left the waiting queue. The base model's sequences are not counted."""
+    run: Counter[str] = Counter()
+    wait: Counter[str] = Counter()
+    for s in running:
+        if s.lora_request is not None:
+            (run if s.lora_request.lora_int_id in stepped else wait)[s.lora_request.lora_name] += 1
+    wait.update(s.lora_request.lora_name for s in waiting if s.lora_request is not None)
+    return dict(run), dict(wait)
