@@ -209,3 +209,21 @@ def test_hand_made_bad_expert_adapters_are_refused(moe_setup, tmp_path, tensors,
         engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=1),
                            lora_request=LoRARequest("a", 5, str(tmp_path / "a")))
     assert not engine.has_unfinished_requests() and engine.lora.loaded_ids() == []
+
+
+def test_targets_cross_a_process_boundary_and_check_expert_adapters(moe_setup, tmp_path):
+    """The engine's LoRA targets (what an API server checks /v1/load_lora_adapter against) are plain data with the
+    MoE layers in them: after a JSON round trip they accept the expert adapters and refuse a router adapter."""
+    from tokenfab.loader.lora_adapter import check_adapter_files
+
+    base_dir, base, adapters = moe_setup
+    engine = _engine(base_dir)
+    targets = json.loads(json.dumps(engine.lora_targets))
+    assert targets["moe"] == {"model.layers.0.mlp": [8, 64, 32], "model.layers.2.mlp": [8, 64, 32]}
+    assert targets["moe_refused"] == {}
+    for name in ("e", "ea", "d", "pe"):
+        _, _, plans = check_adapter_files(adapters[name], targets, 16)
+        assert sorted(plans) == ["model.layers.0.mlp", "model.layers.2.mlp"], name
+    router = make_moe_peft_adapter(base, tmp_path / "router", 4, 5, ["mlp.gate.weight"])
+    with pytest.raises(ValueError, match="router gate is not supported"):
+        check_adapter_files(router, targets, 16)
