@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.hybrid_models import FAMILIES, HybridDriver, save_tiny_hybrid
-from tests.tiny_models import hf_logits
+from tests.models.hybrid_models import FAMILIES, HybridDriver, save_tiny_hybrid, tiny_hybrid_config
+from tests.tiny_models import hf_logits, randomize_
 from tokenfab.layers.gated_deltanet import GatedDeltaNet
 from tokenfab.layers.moe import FusedMoE
 from tokenfab.models.qwen3_next import GatedAttention
@@ -156,3 +156,61 @@ def test_through_triton_kernels(tmp_path, monkeypatch):
     driver = HybridDriver(tmp_path, num_slots=3)
     monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
     _check_schedule(hf, driver)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_written_layout_is_the_one_transformers_reads(family, tmp_path):
+    """The wrappers' layouts (Qwen3.5-MoE's with stacked experts and an MTP layer, as released) load into
+    transformers' VL class with no missing or unexpected tensor and the same logits as the model written."""
+    import transformers
+
+    hf = save_tiny_hybrid(family, tmp_path)
+    loaded, info = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                            output_loading_info=True)
+    assert type(loaded).__name__ == type(hf).__name__
+    assert not any(info.values()), info
+    ids = PROMPTS[0][:20]
+    torch.testing.assert_close(hf_logits(loaded.eval(), ids), hf_logits(hf, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("wrapper_tie, text_tie", [(True, True), (False, True)])
+def test_wrapper_ties_embeddings_as_its_top_level_config_says(wrapper_tie, text_tie, tmp_path):
+    """transformers ties a VL wrapper's LM head to the embeddings by the top-level ``tie_word_embeddings``
+    (the Qwen3.5 small releases tie), whatever the text config says; so do we."""
+    import json
+
+    import transformers
+
+    config = tiny_hybrid_config("qwen3_5", tie_word_embeddings=text_tie)
+    config.tie_word_embeddings = wrapper_tie
+    torch.manual_seed(0)
+    hf = randomize_(transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32))
+    hf.tie_weights()
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["tie_word_embeddings"], saved["text_config"]["tie_word_embeddings"]) == (wrapper_tie, text_tie)
+    driver = HybridDriver(tmp_path, num_slots=1)
+    model = driver.model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == wrapper_tie
+    seq = driver.new_seq(PROMPTS[1], slot=0)
+    driver.step([(seq, len(PROMPTS[1]))])
+    torch.testing.assert_close(seq.logits[0], hf_logits(hf, PROMPTS[1])[-1], atol=ATOL, rtol=0)
+
+
+def test_missing_or_misshapen_tensor_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tokenfab.loader.errors import ModelLoadError
+
+    save_tiny_hybrid("qwen3_next", tmp_path)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(str(file))
+    good = dict(tensors)
+    del tensors["model.layers.2.linear_attn.A_log"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="missing.*layers.2.linear_attn.A_log"):
+        HybridDriver(tmp_path, num_slots=1)
+    good["model.layers.0.linear_attn.in_proj_qkvz.weight"] = good["model.layers.0.linear_attn.in_proj_qkvz.weight"][:-2]
+    save_file(good, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="in_proj_qkvz.weight has shape"):
+        HybridDriver(tmp_path, num_slots=1)
