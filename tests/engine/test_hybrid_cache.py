@@ -43,6 +43,7 @@ def flood(toy_dir):
 
 def engine(toy_dir, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 400)
+    kw.setdefault("cpu_threads", 1)  # tiny matrices: one thread is far faster on a shared machine
     return LLMEngine(model=str(toy_dir), **kw)
 
 
