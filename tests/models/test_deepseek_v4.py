@@ -145,3 +145,19 @@ def test_kv_cache_rows_are_written_once_per_window(tiny):
     written = [int((a.comp_cache.abs().sum(dim=-1) > 0).sum()) for a in attn[1:3]]
     assert written == [23 // 4, 23 // 8]
     assert torch.isfinite(attn[1].comp_cache).all()
+
+
+def test_through_triton_kernels(tiny, monkeypatch):
+    """The engine with every op on its Triton kernel (the interpreter here; mHC's fused kernels among them): a
+    prompt longer than the window and both ratios beside a short one arriving mid-decode equals transformers."""
+    from tokenfab.kernels._launch import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("triton was imported without the interpreter")
+    hf, path, _ = tiny
+    engine = _engine(path, max_num_batched_tokens=16)
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    prompts = [list(range(30, 50)), [5, 17, 42]]
+    tokens, logprobs, batches = run_batch(engine, prompts, 4, [0, 2])
+    assert "mixed" in paths_reached(batches, WINDOW)
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)

@@ -12,8 +12,9 @@ The residual is ``n`` parallel streams h [T, n, D] instead of one. Around each b
 
 Sinkhorn: columns normalized once, then ``iters - 1`` rounds of rows then columns, each with ``+ eps`` in
 the denominator (transformers' order, so the bits agree). The final head collapses the streams with its
-own ``pre`` weights only (``HyperHead``). Everything here runs in float32, as the checkpoint keeps these
-weights. Checkpoint names: ``layers.{i}.hc_{attn,ffn}_{fn,base,scale}``, ``hc_head_{fn,base,scale}``.
+own ``pre`` weights only (``HyperHead``). The weights, the Sinkhorn projection and both mixes run as fused Triton
+kernels (``tokenfab/kernels/mhc.py``; float32 inside, as the checkpoint keeps these weights).
+Checkpoint names: ``layers.{i}.hc_{attn,ffn}_{fn,base,scale}``, ``hc_head_{fn,base,scale}``.
 """
 
 from __future__ import annotations
@@ -22,31 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels.mhc import mhc_post, mhc_pre
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., n, n] positive -> doubly stochastic (approximately, after ``iters`` rounds)."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
-def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-               hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]), float32 (the reference of the op)."""
-    t, n, _ = streams.shape
-    a = F.linear(unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps), fn.float())
-    pre_w, post_w, comb_w = a.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -55,9 +36,8 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """h'_k = post_k out + sum_j comb[j, k] h_j -> [T, n, D]."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    """h'_k = post_k out + sum_j comb[j, k] h_j -> [T, n, D] (``kernels.mhc.mhc_post``)."""
+    return mhc_post(streams, out, post, comb)
 
 
 class HyperConnection(nn.Module):
@@ -73,9 +53,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> (block input [T, D], post, comb)."""
-        pre, post, comb = hc_weights(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
-                                     self.norm_eps)
-        return hc_collapse(streams, pre), post, comb
+        return mhc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
 
 class HyperHead(nn.Module):
