@@ -185,3 +185,26 @@ def test_negative_control_stale_state_is_caught(toy_dir, flood):
         mixer.zero_on_fresh_start = True
     assert got[0] == expected[0]  # the first owner found a zeroed slot
     assert got[1:] != expected[1:4]
+
+
+def test_async_scheduling_equals_reference(toy_dir, flood):
+    """Overlap scheduling (step N+1 launched before step N's tokens are read) with chunks and preemption."""
+    prompts, expected = flood
+    eng = engine(toy_dir, async_scheduling=True, num_kv_blocks=15, max_num_batched_tokens=64)
+    assert run_all(eng, prompts[:12], slot_watcher()) == expected[:12]
+
+
+def test_abort_gives_the_slot_back(toy_dir, flood):
+    prompts, expected = flood
+    eng = engine(toy_dir, num_state_slots=2, max_num_seqs=4)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(f"a{i}", p, GREEDY)
+    eng.step()
+    slots = eng.block_manager.state_slots
+    assert slots.num_free == 0 and len(eng.scheduler.waiting) == 1  # the third waits for a slot
+    eng.abort_request("a0")
+    assert slots.num_free == 1
+    eng.abort_request("a1")
+    eng.abort_request("a2")
+    assert slots.num_free == 2 and not eng.has_unfinished_requests()
+    assert run_all(eng, prompts[3:5]) == expected[3:5]  # the slots the aborted ones dirtied
