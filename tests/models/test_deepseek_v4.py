@@ -56,6 +56,8 @@ def test_structure_and_cache_shapes(tiny):
     assert tuple(attn[1].comp_cache.shape) == (64, 1, d + di)
     assert tuple(attn[2].comp_cache.shape) == (64, 1, d)
     assert attn[0].comp_cache is None
+    engine.runner.capture_decode_graphs(4, 64)  # the PyTorch paths sync with the host: decode stays eager
+    assert engine.runner.graphs is None
 
 
 def test_prefill_and_decode_logits_match(tiny):

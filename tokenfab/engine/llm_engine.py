@@ -96,7 +96,8 @@ class LLMEngine:
         if spec_config is not None:
             self.spec = SpecDecoder(spec_config, self)
         draft = self.spec.kv_bytes_per_token() if self.spec is not None else 0  # same blocks, more bytes
-        num_blocks = kv_cache_blocks(args, kv_bytes_per_token(self.model, self.dtype) + draft, self.device,
+        per_token = kv_bytes_per_token(self.model, self.dtype, args.block_size)  # per-block caches: by block size
+        num_blocks = kv_cache_blocks(args, per_token + draft, self.device,
                                      self.max_model_len, self._make_runner,
                                      state_cache_bytes(self.model, self.num_state_slots))
         self.runner = self._make_runner(args.block_size, num_blocks)

@@ -143,6 +143,9 @@ _RENAMES = [
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    #: the PyTorch paths (gathers sized by the batch, the expert loop) sync with the host: no CUDA graphs
+    supports_cuda_graphs = False
+
     def __init__(self, config: Any, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config

@@ -247,7 +247,10 @@ class ModelRunner:
     graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture decode steps in CUDA graphs for a ladder of batch sizes up to max_batch."""
+        """Capture decode steps in CUDA graphs for a ladder of batch sizes up to max_batch (none for a model
+        whose forward syncs with the host, ``supports_cuda_graphs = False``: its steps run eagerly)."""
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            return
         self.graphs = DecodeGraphs(self, max_batch, max_model_len)
         self.graphs.capture()
 
