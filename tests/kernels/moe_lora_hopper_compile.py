@@ -30,9 +30,9 @@ def _experts_lora(t: int, e: int, k: int, h: int, i: int, r: int, s: int, dtype:
     ids = (torch.arange(t * k, dtype=torch.int32) % e).view(t, k)
     w = torch.full((t, k), 1.0 / k)
     slots = torch.arange(t, dtype=torch.int32) % (s + 1) - 1
-    pools = [torch.empty(s, e, r, h, dtype=dtype), torch.empty(s, e, i, r, dtype=dtype),
-             torch.empty(s, e, r, h, dtype=dtype), torch.empty(s, e, i, r, dtype=dtype),
-             torch.empty(s, e, r, i, dtype=dtype), torch.empty(s, e, h, r, dtype=dtype)]
+    pools = [torch.empty(e, s, r, h, dtype=dtype), torch.empty(e, s, i, r, dtype=dtype),
+             torch.empty(e, s, r, h, dtype=dtype), torch.empty(e, s, i, r, dtype=dtype),
+             torch.empty(e, s, r, i, dtype=dtype), torch.empty(e, s, h, r, dtype=dtype)]
     moe_lora._fused_experts_lora_triton(x, w13, w2, w, ids, slots, *pools)
 
 

@@ -31,9 +31,9 @@ def _problem(t, e, k, h, i, r, s, bias, dtype, gen, device):
     b2 = torch.randn(e, h, generator=gen) if bias else None
     w, ids = moe.topk_softmax_ref(torch.randn(t, e, generator=gen), k, True)
     # A ~ unit rows out, B * A of the size of a trained delta (half the base weight's scale)
-    pools = [torch.randn(s, e, r, h, generator=gen) * h**-0.5, torch.randn(s, e, i, r, generator=gen) * 0.5 * r**-0.5,
-             torch.randn(s, e, r, h, generator=gen) * h**-0.5, torch.randn(s, e, i, r, generator=gen) * 0.5 * r**-0.5,
-             torch.randn(s, e, r, i, generator=gen) * i**-0.5, torch.randn(s, e, h, r, generator=gen) * 0.5 * r**-0.5]
+    pools = [torch.randn(e, s, r, h, generator=gen) * h**-0.5, torch.randn(e, s, i, r, generator=gen) * 0.5 * r**-0.5,
+             torch.randn(e, s, r, h, generator=gen) * h**-0.5, torch.randn(e, s, i, r, generator=gen) * 0.5 * r**-0.5,
+             torch.randn(e, s, r, i, generator=gen) * i**-0.5, torch.randn(e, s, h, r, generator=gen) * 0.5 * r**-0.5]
     slots = torch.randint(-1, s, (t,), generator=gen, dtype=torch.int32)
 
     def dev(v):
@@ -72,9 +72,9 @@ def test_reference_is_the_per_token_equation(gen):
             ex = int(ids[n, j])
             g, u = w13[ex, :i] @ x[n], w13[ex, i:] @ x[n]
             if sl >= 0:
-                g, u = g + bg[sl, ex] @ (ag[sl, ex] @ x[n]), u + bu[sl, ex] @ (au[sl, ex] @ x[n])
+                g, u = g + bg[ex, sl] @ (ag[ex, sl] @ x[n]), u + bu[ex, sl] @ (au[ex, sl] @ x[n])
             hh = F.silu(g) * u
-            y = w2[ex] @ hh + (bd[sl, ex] @ (ad[sl, ex] @ hh) if sl >= 0 else 0)
+            y = w2[ex] @ hh + (bd[ex, sl] @ (ad[ex, sl] @ hh) if sl >= 0 else 0)
             want[n] += w[n, j] * y
     torch.testing.assert_close(moe_lora.fused_experts_lora_ref(x, w13, w2, w, ids, slots, *pools), want)
 

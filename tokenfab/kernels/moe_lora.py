@@ -3,19 +3,19 @@ the outputs of the experts it is routed to, in one call however many adapters th
 
 For the pair (token t, slot j), expert e = ids[t, j] and adapter s = token_slots[t] (-1: the base):
 
-    gate = x_t W13[e, :I]^T + Bg[s, e] Ag[s, e] x_t        up = x_t W13[e, I:]^T + Bu[s, e] Au[s, e] x_t
+    gate = x_t W13[e, :I]^T + Bg[e, s] Ag[e, s] x_t        up = x_t W13[e, I:]^T + Bu[e, s] Au[e, s] x_t
     h    = act(gate, up)                                    (biases, when the experts have them, added too)
-    y_tj = (h W2[e]^T + Bd[s, e] Ad[s, e] h) * w_tj
+    y_tj = (h W2[e]^T + Bd[e, s] Ad[e, s] h) * w_tj
     out_t = sum_j y_tj
 
-Pools (``layers.moe_lora``): ``a_*`` [S, E, r, K], ``b_*`` [S, E, N, r] for gate, up (K = H, N = I)
-and down (K = I, N = H), the adapter's scale folded into B, zeros past an adapter's rank. A base
-token's delta is an exact zero.
+Pools (``layers.moe_lora``): ``a_*`` [E, S, r, K], ``b_*`` [E, S, N, r] for gate, up (K = H, N = I)
+and down (K = I, N = H), the adapter's scale folded into B, zeros past an adapter's rank; expert-major,
+so one expert's slice of every slot is contiguous. A base token's delta is an exact zero.
 
 - The reference (and the CPU path) loops over the experts that received pairs, as the plain experts'
   reference does, and takes each expert's deltas through ``lora_delta`` over that expert's slice of
   the pools, grouped by adapter inside (so the work is grouped by (adapter, expert), never per token).
-- Triton: the pools viewed as S*E adapters of the BGMV kernel (``kernels.lora``, index s*E + e per
+- Triton: the pools viewed as E*S adapters of the BGMV kernel (``kernels.lora``, index e*S + s per
   pair) give the gate/up deltas of every pair; a grouped gate+up GEMM like ``moe_gemm``'s adds them
   before the activation; the down delta of the activated rows, times the routing weight, is added to
   ``moe_gemm``'s down output rows before the per-token sum. Base tokens go the same way (zero deltas);
@@ -60,9 +60,9 @@ def _check_pools(hidden, w13, w2, token_slots, a_gate, b_gate, a_up, b_up, a_dow
     i = two_i // 2
     if token_slots.shape != (t,):
         raise ValueError(f"token_slots must be [{t}], got {tuple(token_slots.shape)}")
-    s, _, r, _ = a_gate.shape
+    _, s, r, _ = a_gate.shape
     for name, a, b, k, n in (("gate", a_gate, b_gate, h, i), ("up", a_up, b_up, h, i), ("down", a_down, b_down, i, h)):
-        if tuple(a.shape) != (s, e, r, k) or tuple(b.shape) != (s, e, n, r):
+        if tuple(a.shape) != (e, s, r, k) or tuple(b.shape) != (e, s, n, r):
             raise ValueError(f"LoRA pool of {name}: a {tuple(a.shape)} / b {tuple(b.shape)} do not fit "
                              f"{s} slots, {e} experts, rank {r}, {k} -> {n}")
 
@@ -78,11 +78,11 @@ def _experts_lora(hidden, w13, w2, topk_weights, topk_ids, token_slots, a_gate, 
         x, s = hidden[tokens], slots[tokens]
         gu = F.linear(x.float(), w13[e].float(), None if w13_bias is None else w13_bias[e].float())
         i = gu.shape[1] // 2
-        gu[:, :i] += delta(x, s, a_gate[:, e], b_gate[:, e]).float()
-        gu[:, i:] += delta(x, s, a_up[:, e], b_up[:, e]).float()
+        gu[:, :i] += delta(x, s, a_gate[e], b_gate[e]).float()
+        gu[:, i:] += delta(x, s, a_up[e], b_up[e]).float()
         act = moe_activation_ref(gu, activation, swiglu_alpha, swiglu_limit).to(hidden.dtype)
         y = F.linear(act.float(), w2[e].float(), None if w2_bias is None else w2_bias[e].float())
-        return y + delta(act, s, a_down[:, e], b_down[:, e]).float()
+        return y + delta(act, s, a_down[e], b_down[e]).float()
 
     return experts_loop_ref(hidden, topk_weights, topk_ids, w13.shape[0], expert)
 
@@ -175,10 +175,10 @@ def _moe_gate_up_delta_kernel(
     store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
 
 
-def _pair_adapters(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T*k] int32: each pair's row of the pools viewed as [S*E, ...] (s*E + e), -1 for a base token."""
+def _pair_adapters(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[T*k] int32: each pair's row of the pools viewed as [E*S, ...] (e*S + s), -1 for a base token."""
     slots = token_slots.long().repeat_interleave(topk_ids.shape[1])
-    idx = slots * num_experts + topk_ids.reshape(-1).long()
+    idx = topk_ids.reshape(-1).long() * num_slots + slots
     return torch.where(slots >= 0, idx, -1).to(torch.int32)
 
 
@@ -200,7 +200,7 @@ def _fused_experts_lora_triton(hidden, w13, w2, topk_weights, topk_ids, token_sl
         return hidden.new_empty(0, h)
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     n_pairs = t * k
-    idx = _pair_adapters(token_slots, topk_ids, e)
+    idx = _pair_adapters(token_slots, topk_ids, a_gate.shape[1])
     x_pairs = hidden.repeat_interleave(k, dim=0)  # pair p = t*k + j reads token t
     delta13 = torch.cat((_lora_delta_triton(x_pairs, idx, _flat(a_gate), _flat(b_gate)),
                          _lora_delta_triton(x_pairs, idx, _flat(a_up), _flat(b_up))), dim=1)

@@ -3,16 +3,18 @@ token's own adapter deltas to the gate, up and down outputs of the experts it is
 (``kernels.moe_lora``).
 
 ``attach_moe_lora`` gives every ``FusedMoE`` of a model whose experts can take LoRA an
-``MoELoRAExperts``: per projection ("gate", "up": H -> I; "down": I -> H) A [max_loras, E, max_rank, in]
-and B [max_loras, E, out, max_rank], zeros in unused slots, ranks and projections. The layer's
-``experts`` method becomes base-or-LoRA: with no adapter in the step (the shared ``LoRABatchState``'s
-``token_slots`` is None) it is the plain ``fused_experts`` call, unchanged; otherwise one
-``fused_experts_lora`` call serves the adapters' tokens and the base's together. The layer keeps its
-type, weights, router and shared experts (those take LoRA as ordinary projections, ``layers.lora``).
+``MoELoRAExperts``: per projection ("gate", "up": H -> I; "down": I -> H) A [E, max_loras, max_rank, in]
+and B [E, max_loras, out, max_rank] (expert-major: one expert's slots are contiguous), zeros in unused
+slots, ranks and projections. The layer's ``experts`` method becomes base-or-LoRA: with no adapter in
+the step (the shared ``LoRABatchState``'s ``token_slots`` is None) it is the plain ``fused_experts``
+call, unchanged; otherwise one ``fused_experts_lora`` call serves the adapters' tokens and the base's
+together. The layer keeps its type, weights, router and shared experts (those take LoRA as ordinary
+projections, ``layers.lora``).
 
 Not every MoE layer can: quantized experts (their product is another kernel's), expert parallelism
-(tokens leave the rank), TP-split experts, and GPT-OSS's clamped SwiGLU (its checkpoints interleave
-gate and up columns, a layout PEFT's adapters follow and this pool does not) are left without a pool,
+(tokens leave the rank), TP-split experts, a subclass with its own experts (DeepSeek-V4's hash routing), and
+GPT-OSS's clamped SwiGLU (its checkpoints interleave gate and up columns, a layout PEFT's adapters follow
+and this pool does not) are left without a pool,
 with the reason recorded so an adapter targeting them is refused by name.
 """
 
@@ -58,20 +60,20 @@ class MoELoRAExperts:
         e, h, i = module.num_local_experts, module.hidden_size, module.intermediate_size
         self.shape = (e, h, i)
         dims = {"gate": (h, i), "up": (h, i), "down": (i, h)}
-        self.a = {p: torch.zeros(max_loras, e, max_rank, k, dtype=dtype, device=device) for p, (k, _) in dims.items()}
-        self.b = {p: torch.zeros(max_loras, e, n, max_rank, dtype=dtype, device=device) for p, (_, n) in dims.items()}
+        self.a = {p: torch.zeros(e, max_loras, max_rank, k, dtype=dtype, device=device) for p, (k, _) in dims.items()}
+        self.b = {p: torch.zeros(e, max_loras, n, max_rank, dtype=dtype, device=device) for p, (_, n) in dims.items()}
 
     def set_slot(self, slot: int, projections: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Write an adapter's expert factors (per projection: A [E, r, in], B*scale [E, out, r]) into
         ``slot``; None or a missing projection: zeros."""
         for p in PROJECTIONS:
-            self.a[p][slot].zero_()
-            self.b[p][slot].zero_()
+            self.a[p][:, slot].zero_()
+            self.b[p][:, slot].zero_()
             pair = (projections or {}).get(p)
             if pair is not None:
                 r = pair[0].shape[1]
-                self.a[p][slot, :, :r].copy_(pair[0])
-                self.b[p][slot, :, :, :r].copy_(pair[1])
+                self.a[p][:, slot, :r].copy_(pair[0])
+                self.b[p][:, slot, :, :r].copy_(pair[1])
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         slots = self.state.token_slots
