@@ -163,3 +163,14 @@ def test_through_triton_kernels(tiny, monkeypatch):
     tokens, logprobs, batches = run_batch(engine, prompts, 4, [0, 2])
     assert "mixed" in paths_reached(batches, WINDOW)
     assert_batch_matches_hf(hf, prompts, tokens, logprobs)
+
+
+def test_long_context_past_the_original_yarn_context(tiny):
+    """A 300-token prompt (YaRN's original context is 128; 75 CSA entries of which the indexer keeps 2, 37 HCA
+    entries) in 64-token chunks, then 3 decode steps: every step's top log-probabilities equal transformers'."""
+    hf, path, _ = tiny
+    prompt = [(i * 37 + 11) % 320 for i in range(300)]
+    engine = _engine(path, num_kv_blocks=96, max_num_batched_tokens=64)
+    tokens, logprobs, batches = run_batch(engine, [prompt], 3)
+    assert "chunked" in paths_reached(batches, WINDOW)
+    assert_batch_matches_hf(hf, [prompt], tokens, logprobs)
