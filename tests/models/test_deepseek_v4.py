@@ -28,9 +28,18 @@ WINDOW = DSV4_TINY["sliding_window"]
 
 
 def _engine(path, **kw) -> LLMEngine:
-    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, cpu_threads=1)
     args.update(kw)
     return LLMEngine(model=str(path), **args)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is far faster on a shared machine (the engines run one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +108,10 @@ ALL_PATHS = {"mixed", "chunked", "decodes", "long+short", "long+short decodes"}
 
 
 @pytest.mark.parametrize("block_size", [4, pytest.param(8, marks=pytest.mark.slow)])  # 8: the slow twin
-def test_batched_chunked_long_and_short_match_transformers(tiny, block_size):
+def test_batched_chunked_long_and_short_match_transformers(tiny, block_size, monkeypatch):
+    """Also with the queries attending in slices of a few tokens (a tiny ``gather_budget``), as long chunks do."""
     hf, path, _ = tiny
+    monkeypatch.setattr(DeepseekV4Attention, "gather_budget", 1000)
     engine = _engine(path, block_size=block_size, num_kv_blocks=64 // (block_size // 4), max_num_batched_tokens=7)
     tokens, logprobs, batches = run_batch(engine, BATCH_PROMPTS, 8, BATCH_ARRIVALS)
     assert paths_reached(batches, WINDOW) == ALL_PATHS
@@ -113,7 +124,7 @@ def test_llm_alone_and_batched_greedy_equal_transformers(tiny):
     from tokenfab import LLM, SamplingParams
 
     hf, path, _ = tiny
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=5)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=5, cpu_threads=1)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     alone = [list(llm.generate(p, params)[0].outputs[0].token_ids) for p in PROMPTS]
     batched = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]

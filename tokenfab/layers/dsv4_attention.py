@@ -119,10 +119,15 @@ class DeepseekV4Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    #: Queries attend in slices of at most this many gathered key elements (per slice: tokens x (window +
+    #: compressed entries) x head_dim, plus the indexer's keys), so a long prefill chunk never gathers
+    #: every entry for every token at once.
+    gather_budget: int = 1 << 25
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, seq_of_token: torch.Tensor) -> torch.Tensor:
         assert self.kv_cache is not None, "DeepSeek-V4 cache not bound: the model runner binds kv_cache"
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        pos, tables = batch.positions, batch.block_tables
+        pos = batch.positions
         q_resid = self.q_norm(self.wq_a(x))
         q = self.rotary(unweighted_rms_norm(self.wq_b(q_resid).view(t, h, d), self.eps), pos)
         kv = self.rotary(self.norm(self.wkv(x)), pos)
@@ -130,20 +135,31 @@ class DeepseekV4Attention(nn.Module):
         new = torch.cat([kv] + [c.token_rows(x, pos) for c in self._compressors()], dim=-1)
         keep = batch.slot_mapping >= 0  # padded rows (-1) write nothing
         rows[batch.slot_mapping[keep]] = new[keep].to(rows.dtype)
-
-        block_size = self.kv_cache.shape[1]
-        win = CompressedLayout(block_size, 1)
-        kpos = pos.unsqueeze(1) - self.sliding_window + 1 + torch.arange(self.sliding_window, device=x.device)
-        key_ok = kpos >= 0
-        keys = rows[win.token_slots(tables, seq_of_token.unsqueeze(1), kpos.clamp(min=0))][..., :d]
         if self.ratio:
-            comp_keys, comp_ok = self._compressed_keys(x, q_resid, batch, seq_of_token, rows, block_size)
-            keys, key_ok = torch.cat((keys, comp_keys), dim=1), torch.cat((key_ok, comp_ok), dim=1)
-        o = self.rotary(self._attend(q, keys.to(q.dtype), key_ok), pos, inverse=True)
+            self._close_windows(batch, seq_of_token, rows)
+        n = batch.max_context_len // self.ratio if self.ratio else 0
+        per_token = (self.sliding_window + n) * d + (n * self.indexer.head_dim if self.indexer is not None else 0)
+        step = max(1, self.gather_budget // max(1, per_token))
+        o = torch.cat([self._attend_slice(q[i:i + step], x[i:i + step], q_resid[i:i + step], pos[i:i + step],
+                                          seq_of_token[i:i + step], batch.block_tables, rows, n)
+                       for i in range(0, t, step)]) if t else q
         g = self.o_groups
-        w = self.wo_a.weight.view(g, self.o_lora_rank, -1)
-        grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, -1), w).reshape(t, -1)
+        w = self.wo_a.weight.view(g, self.o_lora_rank, h * d // g)
+        grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, h * d // g), w).reshape(t, g * self.o_lora_rank)
         return self.wo_b(grouped)
+
+    def _attend_slice(self, q: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
+                      seq: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """Queries of some tokens over their window and compressed keys -> [S, H, D], rotated back."""
+        block_size, d = self.kv_cache.shape[1], self.head_dim
+        win = CompressedLayout(block_size, 1)
+        kpos = pos.unsqueeze(1) - self.sliding_window + 1 + torch.arange(self.sliding_window, device=q.device)
+        key_ok = kpos >= 0
+        keys = rows[win.token_slots(tables, seq.unsqueeze(1), kpos.clamp(min=0))][..., :d]
+        if self.ratio:
+            comp_keys, comp_ok = self._compressed_keys(x, q_resid, pos, seq, tables, n)
+            keys, key_ok = torch.cat((keys, comp_keys), dim=1), torch.cat((key_ok, comp_ok), dim=1)
+        return self.rotary(self._attend(q, keys.to(q.dtype), key_ok), pos, inverse=True)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], keys [T, L, D] (also the values), key_ok [T, L] -> [T, H, D] with the sink logit."""
@@ -154,31 +170,35 @@ class DeepseekV4Attention(nn.Module):
         probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys)
 
-    def _compressed_keys(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch,
-                         seq_of_token: torch.Tensor, rows: torch.Tensor, block_size: int):
-        """Close this step's windows into ``comp_cache``, then each token's compressed keys [T, N, D] and
-        which of them it may use [T, N] (HCA: the visible entries; CSA: the indexer's picks)."""
+    def _close_windows(self, batch: ForwardBatch, seq_of_token: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the entries of the windows whose last token is in this step into ``comp_cache``."""
         assert self.comp_cache is not None and self.compressor is not None
-        d, m, pos, tables = self.head_dim, self.ratio, batch.positions, batch.block_tables
-        layout = CompressedLayout(block_size, m)
-        entries = self.comp_cache.view(-1, self.entry_width)
+        d, pos, tables = self.head_dim, batch.positions, batch.block_tables
+        layout = CompressedLayout(self.kv_cache.shape[1], self.ratio)
         seq, window, main = close_windows(self.compressor, rows, layout, tables, seq_of_token, pos, d)
         new = [main]
         if self.indexer is not None:
             offset = d + self.compressor.row_width
             new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset)[2])
         if window.numel():
-            where = layout.entry_rows(tables, seq, window)
-            entries[where] = torch.cat(new, dim=-1).to(entries.dtype)
-        n = batch.max_context_len // m
+            entries = self.comp_cache.view(-1, self.entry_width)
+            entries[layout.entry_rows(tables, seq, window)] = torch.cat(new, dim=-1).to(entries.dtype)
+
+    def _compressed_keys(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
+                         tables: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's compressed keys [S, N', D] and which of them it may use [S, N'] (HCA: the N visible
+        entries; CSA: the indexer's top-k picks)."""
+        assert self.comp_cache is not None
+        d, m = self.head_dim, self.ratio
+        layout = CompressedLayout(self.kv_cache.shape[1], m)
+        entries = self.comp_cache.view(-1, self.entry_width)
         ids = torch.arange(n, device=x.device)
-        visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [T, N]
-        at = layout.entry_rows(tables, seq_of_token.unsqueeze(1), ids.unsqueeze(0))  # [T, N]
+        visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [S, N]
+        at = layout.entry_rows(tables, seq.unsqueeze(1), ids.unsqueeze(0))  # [S, N]
         if self.indexer is None or n == 0:
             return entries[at][..., :d], visible
         picks = self.indexer.select(x, q_resid, pos, entries[at][..., d:], visible)
         return entries[at.gather(1, picks.clamp(min=0))][..., :d], picks >= 0
-
 
 def cache_bytes_per_token(layers: list[DeepseekV4Attention], context_len: int, block_size: int,
                           dtype: torch.dtype, live_only: bool = False) -> float:
