@@ -185,3 +185,16 @@ def test_long_context_past_the_original_yarn_context(tiny):
     tokens, logprobs, batches = run_batch(engine, [prompt], 3)
     assert "chunked" in paths_reached(batches, WINDOW)
     assert_batch_matches_hf(hf, [prompt], tokens, logprobs)
+
+
+def test_request_flood_with_preemption_and_reused_blocks(tiny):
+    """Twelve requests (3 to 30 prompt tokens) into 96 tokens of cache (about three sequences): requests are
+    preempted and recomputed, blocks pass from one request to the next with stale rows and entries in them
+    (nothing reads an entry its own request has not written), and every request equals transformers alone."""
+    hf, path, _ = tiny
+    prompts = [[(i * 31 + j * 7 + 3) % 320 for j in range(3 + (i * 5) % 28)] for i in range(12)]
+    engine = _engine(path, num_kv_blocks=24, max_num_batched_tokens=16)
+    tokens, logprobs, _ = run_batch(engine, prompts, 6, [i // 3 for i in range(12)])
+    assert engine.get_stats().num_preemptions_total > 0
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)
+    assert engine.block_manager.num_used_blocks == 0
