@@ -144,30 +144,79 @@ def test_cpu_decode_graph_padding_uses_the_scratch_slot(toy_dir, flood):
     assert run_all(eng, prompts[:7]) == expected[:7]  # 7 decodes pad to 8
 
 
-def test_prefix_caching_is_off_with_recurrent_state(toy_dir, flood, caplog):
-    """A recurrent state cannot be rebuilt from cached KV blocks: the engine turns prefix caching off
-    (and says so); shared prefixes still give the reference's tokens."""
+def test_prefix_caching_off_without_snapshots(toy_dir, flood, caplog):
+    """--num-state-snapshots 0: a recurrent state cannot be rebuilt from cached KV blocks alone, so the
+    engine turns prefix caching off (and says so); shared prefixes still give the reference's tokens."""
     prompts, _ = flood
     shared = list(range(10, 10 + 48))  # 3 full blocks
     batch = [shared + p[:5] for p in prompts[:3]]
     expected = hybrid_toy.reference_greedy(toy_dir, batch, N_TOKENS)
     with caplog.at_level(logging.INFO, logger="tokenfab"):
-        eng = engine(toy_dir, enable_prefix_caching=True)
+        eng = engine(toy_dir, enable_prefix_caching=True, num_state_snapshots=0)
     assert "prefix caching is off" in caplog.text
-    assert not eng.block_manager.enable_prefix_caching
+    assert not eng.block_manager.enable_prefix_caching and eng.block_manager.state_snapshots is None
     assert run_all(eng, batch[:1]) == expected[:1]
     assert run_all(eng, batch[1:]) == expected[1:]
     assert eng.block_manager.prefix_hits == 0
 
 
+def shared_prefix_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts built to hit: the same prompt again, a longer one over it, a shared 3-block system prompt
+    with different tails, a repeat of a prompt plus its generated tokens (a second turn)."""
+    system = list(range(10, 10 + 48))
+    return [system + prompts[0][:5], system + prompts[0][:5], system + prompts[0][:5] + prompts[1][:30],
+            system + prompts[2][:9], prompts[3] + prompts[4], prompts[3] + prompts[4] + prompts[5]]
+
+
+@pytest.mark.parametrize("budget", [24, 4096])
+def test_prefix_hits_with_state_snapshots_equal_reference(toy_dir, flood, budget):
+    """Prefix caching on (the default): hits are cut back to the last block with a state snapshot, the snapshot
+    restored into the new slot; every request one after another must still equal the from-scratch reference,
+    and hits must happen."""
+    prompts, _ = flood
+    batch = shared_prefix_prompts(prompts)
+    expected = hybrid_toy.reference_greedy(toy_dir, batch, N_TOKENS)
+    eng = engine(toy_dir, max_num_batched_tokens=budget)
+    bm = eng.block_manager
+    assert bm.enable_prefix_caching and bm.state_snapshots is not None and eng.runner.snapshot_caches
+    got = [run_all(eng, [p])[0] for p in batch]
+    assert got == expected
+    assert bm.state_snapshots.restored >= 4 and bm.prefix_hits >= 3 * 48 + 16  # the system prompt x3, the 2nd turn
+    assert eng.post is not None and eng.get_stats().prefix_cache_hits_total == bm.prefix_hits
+
+
+def test_prefix_hits_under_preemption_equal_reference(toy_dir, flood):
+    """The flood with prefix caching and a few snapshot rows (reused LRU) into KV for about 3 sequences."""
+    prompts, expected = flood
+    batch = prompts + [list(p) for p in prompts[:10]]  # the first ten twice: hits
+    eng = engine(toy_dir, num_kv_blocks=15, max_num_batched_tokens=64, num_state_snapshots=4)
+    assert run_all(eng, batch, slot_watcher()) == expected + expected[:10]
+    assert eng.get_stats().num_preemptions_total > 5
+
+
+def test_no_prefix_hit_without_a_snapshot(toy_dir, flood):
+    """Cached KV blocks alone are not a hit for a hybrid model: with the snapshots dropped, a repeat
+    computes its whole prompt again (and still equals the reference)."""
+    prompts, expected = flood
+    eng = engine(toy_dir)
+    p = prompts[5]
+    assert len(p) > 32
+    run_all(eng, [p])
+    eng.block_manager.state_snapshots.clear()
+    before = eng.block_manager.prefix_hits
+    assert run_all(eng, [p]) == [expected[5]]
+    assert eng.block_manager.prefix_hits == before
+
+
 def test_state_bytes_come_out_of_the_kv_budget(toy_dir):
     mem = 4 << 20
-    eng = engine(toy_dir, num_kv_blocks=None, kv_cache_memory=mem, max_num_seqs=16)
+    eng = engine(toy_dir, num_kv_blocks=None, kv_cache_memory=mem, max_num_seqs=16, num_state_snapshots=5)
     per_slot = state_bytes_per_slot(eng.model)
     assert per_slot == 64 * 3 * 4  # conv (64, 2) + ssm (64,), float32
-    states = state_cache_bytes(eng.model, 16)
-    assert states == per_slot * 17  # 16 slots + the scratch row
-    assert sum(t.numel() * t.element_size() for t in eng.runner.state_caches.values()) == states
+    states = state_cache_bytes(eng.model, 16) + 5 * per_slot
+    assert states == per_slot * (17 + 5)  # 16 slots + the scratch row, 5 snapshot rows
+    tensors = [*eng.runner.state_caches.values(), *eng.runner.snapshot_caches.values()]
+    assert sum(t.numel() * t.element_size() for t in tensors) == states
     per_block = eng.memory["kv_bytes_per_token"] * 16
     assert eng.block_manager.num_blocks == min((mem - states) // per_block, 16 * 64)
 

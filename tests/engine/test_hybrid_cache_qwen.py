@@ -61,7 +61,7 @@ def test_flood_with_preemption_equals_transformers(family):
     path, prompts, expected = family
     eng = LLMEngine(model=str(path), dtype="float32", cpu_threads=1, num_kv_blocks=12, num_state_slots=8,
                     max_num_batched_tokens=32)
-    assert eng.runner.state_caches and not eng.block_manager.enable_prefix_caching
+    assert eng.runner.state_caches and eng.block_manager.state_snapshots is not None
     assert run_all(eng, prompts) == expected
     assert eng.get_stats().num_preemptions_total > 0
 
@@ -72,3 +72,21 @@ def test_alone_and_batched_equal_transformers(family):
     for p, e in zip(prompts[:3], expected[:3]):
         assert run_all(eng, [p]) == [e]
     assert run_all(eng, prompts) == expected
+
+
+def test_prefix_hits_equal_transformers(family):
+    """Prefix caching with state snapshots: a repeated prompt, a shared 3-block system prompt with other tails,
+    a second turn over a first; hits restore the snapshot at their last block, tokens equal transformers'."""
+    path, prompts, _ = family
+    system = list(range(10, 10 + 48))
+    batch = [system + prompts[0][:5], system + prompts[0][:5], system + prompts[1][:20],
+             prompts[2] + prompts[3], prompts[2] + prompts[3] + prompts[4]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = [hf_greedy_tokens(path, p, N_TOKENS) for p in batch]
+    finally:
+        torch.set_num_threads(threads)
+    eng = LLMEngine(model=str(path), dtype="float32", cpu_threads=1, num_kv_blocks=400, max_num_batched_tokens=24)
+    assert [run_all(eng, [p])[0] for p in batch] == expected
+    assert eng.block_manager.state_snapshots.restored >= 3 and eng.block_manager.prefix_hits >= 3 * 48

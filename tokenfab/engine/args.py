@@ -21,6 +21,9 @@ class EngineArgs:
     # hybrid models (per-sequence recurrent state, e.g. Gated DeltaNet): state slots, one per running sequence;
     # None: max_num_seqs. Their bytes come out of the KV budget (engine/runner/kv_budget.py, docs/hybrid-cache.md)
     num_state_slots: int | None = None
+    # their prefix caching: recurrent-state snapshots kept at block boundaries (None: num_state_slots; 0: prefix
+    # caching off for such models), also out of the KV budget (engine/requests/state_snapshots.py)
+    num_state_snapshots: int | None = None
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -89,6 +92,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ValueError(f"num_state_slots must be at least 1, got {self.num_state_slots!r}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be at least 0, got {self.num_state_snapshots!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
         # lazy: this module is the CLI's (``tokenfab --help``), which must not pay for importing torch
@@ -119,6 +124,10 @@ class EngineArgs:
         parser.add_argument("--num-state-slots", type=int, default=None,
                             help="hybrid models (linear-attention layers with per-sequence recurrent state): state "
                             "slots, at most this many sequences run at once (default: --max-num-seqs)")
+        parser.add_argument("--num-state-snapshots", type=int, default=None,
+                            help="hybrid models with prefix caching: recurrent-state snapshots kept at block "
+                            "boundaries for prefix hits (default: --num-state-slots; 0 turns prefix caching off "
+                            "for such models)")
         parser.add_argument("--cpu-threads", type=int, default=None,
                             help="CPU threads of the kernels (default: this process's share of the cores, TP ranks "
                                  "and DP replicas on disjoint cores)")

@@ -24,6 +24,7 @@ from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.state_slots import StateSlots
+from tokenfab.engine.requests.state_snapshots import StateSnapshots
 from tokenfab.engine.requests.stats import EngineStats, lora_adapter_counts
 from tokenfab.engine.runner.cpu_threads import configure_engine_threads
 from tokenfab.engine.runner.device_setup import (  # noqa: F401 (resolve_*, tune_cpu_allocator: imported from here)
@@ -40,7 +41,7 @@ from tokenfab.engine.runner.kv_offload import offload_connector_for, offload_sta
 from tokenfab.engine.runner.lora_manager import LoRAManager, lora_manager_for
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
 from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
-from tokenfab.engine.runner.state_cache import num_state_slots_for, state_cache_bytes
+from tokenfab.engine.runner.state_cache import num_state_slots_for, state_bytes_per_slot, state_cache_bytes
 from tokenfab.executors.eplb_engine import EplbConfig, EplbController
 from tokenfab.executors.tp_executor import start_tensor_parallel
 from tokenfab.forward_batch import ForwardBatch
@@ -92,6 +93,9 @@ class LLMEngine:
         # hybrid cache: per-sequence recurrent-state slots beside the paged KV (0: none; docs/hybrid-cache.md)
         self.num_state_slots = num_state_slots_for(self.model, args.num_state_slots, args.max_num_seqs,
                                                    args.tensor_parallel_size, spec_config is not None)
+        # their prefix caching: state snapshots at block boundaries (0: prefix caching off for this model)
+        snapshots = args.num_state_snapshots if args.num_state_snapshots is not None else self.num_state_slots
+        self.num_state_snapshots = snapshots if self.num_state_slots and args.enable_prefix_caching else 0
         self.spec = None  # speculative decoding (tokenfab/speculative/step.py); a draft module loads here
         if spec_config is not None:
             self.spec = SpecDecoder(spec_config, self)
@@ -99,7 +103,8 @@ class LLMEngine:
         per_token = kv_bytes_per_token(self.model, self.dtype, args.block_size)  # per-block caches: by block size
         num_blocks = kv_cache_blocks(args, per_token + draft, self.device,
                                      self.max_model_len, self._make_runner,
-                                     state_cache_bytes(self.model, self.num_state_slots))
+                                     state_cache_bytes(self.model, self.num_state_slots)
+                                     + self.num_state_snapshots * state_bytes_per_slot(self.model))
         self.runner = self._make_runner(args.block_size, num_blocks)
         if spec_config is not None:  # verify rows must round as decode rows do (kernels/batch_invariant.py)
             self.runner.batch_invariant = True
@@ -107,12 +112,17 @@ class LLMEngine:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_decode_graphs(min(args.max_num_seqs, 256), self.max_model_len)
         prefix_caching = args.enable_prefix_caching
-        if prefix_caching and self.num_state_slots:
+        if prefix_caching and self.num_state_slots and not self.num_state_snapshots:
             prefix_caching = False
             log.info("prefix caching is off: this model keeps recurrent state per sequence, which cached KV "
-                     "blocks cannot rebuild (docs/hybrid-cache.md)")
+                     "blocks cannot rebuild, and --num-state-snapshots is 0 (docs/hybrid-cache.md)")
         self.block_manager = BlockManager(num_blocks, args.block_size, prefix_caching,
                                           StateSlots(self.num_state_slots) if self.num_state_slots else None)
+        if self.num_state_snapshots:
+            self.block_manager.state_snapshots = StateSnapshots(self.num_state_snapshots)
+            self.runner.attach_state_snapshots(self.block_manager.state_snapshots)
+            log.info("prefix caching with %d recurrent-state snapshots at block boundaries (%.1f MiB)",
+                     self.num_state_snapshots, self.num_state_snapshots * state_bytes_per_slot(self.model) / 2**20)
         self.kv_events = attach_publisher(self.block_manager, args.kv_events_config)  # None: events off
         # --kv-offload-bytes / --kv-offload-dir: evicted prefix blocks kept beyond the device (None: off)
         self.kv_connector = offload_connector_for(args, self.runner, spec_config is not None)

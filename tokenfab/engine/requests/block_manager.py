@@ -34,6 +34,7 @@ from tokenfab.engine.requests.kv_events import (
 )
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.state_slots import StateSlots
+from tokenfab.engine.requests.state_snapshots import StateSnapshots
 
 _DIGEST_SIZE = 16  # 128 bits: collisions need ~2**64 work
 
@@ -87,6 +88,9 @@ class BlockManager:
         # hybrid cache: per-sequence recurrent-state slots, taken with a sequence's first blocks and
         # given back with its blocks (None: the model keeps no recurrent state)
         self.state_slots = state_slots
+        # hybrid prefix caching: recurrent-state snapshots at block boundaries (None: a hybrid model runs
+        # without prefix caching; requests/state_snapshots.py)
+        self.state_snapshots: StateSnapshots | None = None
 
     def _emit(self, event: KVCacheEvent) -> None:
         for listener in self.event_listeners:
@@ -148,8 +152,10 @@ class BlockManager:
             self._take(block)
             seq.block_table.append(block)
             hit += 1
+        if self.state_snapshots is not None:
+            hit = self._snapshot_hit(seq, hashes, hit)
         local = hit
-        if self.connector is not None and hit < len(hashes):
+        if self.connector is not None and hit < len(hashes) and self.state_snapshots is None:
             self.connector_queries += (len(hashes) - hit) * self.block_size
             hit += self._load_from_connector(seq, hashes, hit)
             self.connector_hits += (hit - local) * self.block_size
@@ -158,6 +164,30 @@ class BlockManager:
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += local * self.block_size
         return seq.num_computed_tokens
+
+    def _snapshot_hit(self, seq: Sequence, hashes: list[bytes], hit: int) -> int:
+        """Hybrid models: the hit cut back to its longest prefix whose last block has a recurrent-state
+        snapshot, the blocks past it given back; the snapshot's row goes to ``seq.state_restore_row``."""
+        keep, row = hit, None
+        while keep and row is None:
+            row = self.state_snapshots.lookup(hashes[keep - 1])
+            if row is None:
+                keep -= 1
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        del seq.block_table[keep:]
+        if row is not None:
+            seq.state_restore_row = row
+            self.state_snapshots.restored += 1
+        return keep
+
+    def align_chunk(self, seq: Sequence, n: int) -> int:
+        """``n`` new tokens, cut to end on a block boundary under hybrid prefix caching (else ``n``)."""
+        if self.state_snapshots is None:
+            return n
+        return self.state_snapshots.align_chunk(seq.num_computed_tokens, n, seq.num_tokens, self.block_size)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full with computed tokens."""
@@ -298,6 +328,7 @@ class BlockManager:
         seq.num_committed_blocks = 0
         if self.state_slots is not None:
             self.state_slots.free(seq)
+            seq.state_restore_row = -1
 
     def reset_prefix_cache(self) -> None:
         if self.connector is not None:
@@ -305,6 +336,8 @@ class BlockManager:
         for block in list(self.cached.values()):
             self.block_hash[block] = None
         self.cached.clear()
+        if self.state_snapshots is not None:
+            self.state_snapshots.clear()
         self._emit(AllBlocksCleared())
 
     def check_invariants(self) -> None:

@@ -177,6 +177,7 @@ class Scheduler:
                 if not self.bm.can_allocate(seq, n):
                     seq.spec_token_ids, n = [], min(seq.num_tokens - seq.num_computed_tokens, budget)
                 del seq.spec_token_ids[max(n - (seq.num_tokens - seq.num_computed_tokens), 0):]
+            n = self.bm.align_chunk(seq, n)  # hybrid prefix caching: chunks end on block boundaries
             while not self.bm.can_allocate(seq, n):
                 victim = self._victim()
                 budget += self._preempt(victim, batch)
@@ -216,7 +217,7 @@ class Scheduler:
                 cached = self.bm.allocate_cached_prefix(seq)
                 if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
                     seq.num_cached_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self.bm.align_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             if not self.bm.allocate(seq, n):
                 self.bm.free(seq)  # give back prefix hits; it stays first in line
                 if online and self._preempt_background(batch):

@@ -54,6 +54,8 @@ class Sequence:
         self.block_table: list[int] = []
         # hybrid cache: this sequence's row in the recurrent-state tensors (-1: none; requests/state_slots.py)
         self.state_slot = -1
+        # hybrid prefix caching: the snapshot row to copy into the slot before the first chunk (-1: none)
+        self.state_restore_row = -1
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks, in order
         self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission

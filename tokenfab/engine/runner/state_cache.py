@@ -70,3 +70,34 @@ def num_state_slots_for(model: nn.Module, num_state_slots: int | None, max_num_s
         raise ValueError("speculative decoding is not supported for models with recurrent-state layers: a "
                          "rejected draft token cannot be taken back out of the state")
     return num_state_slots or max_num_seqs
+
+
+def alloc_snapshot_caches(state_caches: dict[tuple[str, str], torch.Tensor],
+                          num_snapshots: int) -> dict[tuple[str, str], torch.Tensor]:
+    """Snapshot rows for hybrid prefix caching (``requests/state_snapshots.py``): one tensor
+    [num_snapshots, *shape] beside each state tensor, same dtype and device."""
+    return {key: t.new_zeros(num_snapshots, *t.shape[1:]) for key, t in state_caches.items()}
+
+
+def copy_state_rows(state_caches: dict[tuple[str, str], torch.Tensor],
+                    snapshot_caches: dict[tuple[str, str], torch.Tensor],
+                    restores: list[tuple[int, int]], saves: list[tuple[int, int]]) -> None:
+    """Before a forward: ``restores`` (snapshot row, slot) into the slots of sequences that start on a
+    prefix hit, then ``saves`` (slot, snapshot row) out of the slots of sequences sitting on a block
+    boundary. Restores first: a save may reuse a row a restore of the same step reads."""
+    if not restores and not saves:
+        return
+    device = next(iter(state_caches.values())).device
+    pairs = []
+    for src_is_slot, ops in ((False, restores), (True, saves)):
+        if ops:
+            src = torch.tensor([a for a, _ in ops], dtype=torch.long).to(device, non_blocking=True)
+            dst = torch.tensor([b for _, b in ops], dtype=torch.long).to(device, non_blocking=True)
+            pairs.append((src_is_slot, src, dst))
+    for key, states in state_caches.items():
+        snaps = snapshot_caches[key]
+        for src_is_slot, src, dst in pairs:
+            if src_is_slot:
+                snaps.index_copy_(0, dst, states.index_select(0, src))
+            else:
+                states.index_copy_(0, dst, snaps.index_select(0, src))
