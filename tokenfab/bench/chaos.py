@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
                     "commit": git_commit(), "model": args.model or "bundled",
                     "config": {k: getattr(args, k) for k in CONFIG_KEYS},
                     "logs": str(log_dir)}
+    # SIGTERM (a timeout, a Ctrl-C'd parent) unwinds through the finally blocks: no instance or router outlives us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for inst in instances:
         inst.start()
     try:
