@@ -75,6 +75,7 @@ def test_entry_larger_than_host_memory_goes_straight_to_disk(tmp_path):
     s.put(key(1), payload(1))
     assert not s.host and key(1) in s.disk
     assert torch.equal(s.get(key(1)), payload(1))
+    assert key(1) in s.disk and os.path.exists(s.path(key(1))) and s.spilled == 1  # read in place, not rewritten
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "swapped"])

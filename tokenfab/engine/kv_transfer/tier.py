@@ -4,7 +4,8 @@ Entries are ``uint8`` CPU tensors (one block's bytes, ``block_io.BlockIO``) keye
 digest. ``put`` inserts into host memory as the most recently used; when host memory is over its byte bound
 its least recently used entries spill to disk (or are dropped when there is no disk level), and when the disk
 is over its byte bound its least recently used files are removed. ``lookup`` and ``get`` make entries the
-most recently used; ``get`` on a disk entry reads it back into host memory (and removes the file).
+most recently used; ``get`` on a disk entry reads it back into host memory and removes the file (unless the
+entry is larger than host memory altogether: then the file stays).
 
 Files live in a directory of their own, made under ``disk_dir`` for this store (``tokenfab-kv-*``) and removed
 with everything in it by ``close()`` (or at interpreter exit): a store's files are only ever read by the
@@ -86,15 +87,19 @@ class KVTierStore:
             return payload
         if digest not in self.disk:
             return None
-        size = self.disk.pop(digest)
-        self.disk_bytes -= size
+        size = self.disk[digest]
         payload = self._read_file(digest, size)
-        self._remove_file(digest)
-        if payload is None:
-            self.bad_files += 1
-            self.dropped += 1
-            return None
-        self._insert_host(digest, payload)  # recently used: back to memory
+        if payload is None or size <= self.host_limit:  # corrupt: forgotten; else recently used: back to memory
+            del self.disk[digest]
+            self.disk_bytes -= size
+            self._remove_file(digest)
+            if payload is None:
+                self.bad_files += 1
+                self.dropped += 1
+                return None
+            self._insert_host(digest, payload)
+        else:  # no room in memory at all (disk only): the file stays, the most recent on disk
+            self.disk.move_to_end(digest)
         return payload
 
     # ---- updates --------------------------------------------------------------------
