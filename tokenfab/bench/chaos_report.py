@@ -53,8 +53,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
              f"lost {s['lost']}.", "", "## Outcomes (client's view)", "",
              markdown_table(["outcome", "requests"], [[k, v] for k, v in s["outcomes"].items()]), ""]
     if report["failures_by_cause"]:
-        lines += ["Requests that neither completed nor got a 503, by the kill they followed "
-                  "(within the blame window):", "",
+        lines += ["Requests that neither completed nor got tokenfab's retryable 503, by the kill they followed "
+                  "(ended within the blame window after it) -- `router_503` is vllm-router's own answer while it "
+                  "has no healthy worker, `dropped_by_server_kill` a stream cut by a SIGKILLed server:", "",
                   markdown_table(["outcome by cause", "requests"], list(report["failures_by_cause"].items())), ""]
     if report["kills"]:
         lines += ["## Kills and recovery (kill -> /health 200 and a completion served)", "",
@@ -62,7 +63,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                   f"({report['unrecovered']} unrecovered).", "",
                   markdown_table(["t (s)", "instance", "kind", "recovery (s)"],
                                  [[k["t"], k["instance"], k["kind"], k["recovery_s"]] for k in report["kills"]]), ""]
-    lines += ["## RSS (server + engine core) of each instance's longest life", "",
+    lat = (s.get("ok_latency_p50_s"), s.get("ok_latency_p99_s"))
+    lines += [f"Completed requests: latency p50 {lat[0]} s, p99 {lat[1]} s (queueing included).", "",
+              "## RSS (server + engine core) of each instance's longest life", "",
               markdown_table(["instance", "lives", "seconds", "start MB", "end MB", "max MB", "growth MB"],
                              [[k, v["lives"], v["seconds"], v["start_mb"], v["end_mb"], v["max_mb"], v["growth_mb"]]
                               for k, v in report["rss_summary"].items()]), "",
