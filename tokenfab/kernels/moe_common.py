@@ -59,16 +59,21 @@ def moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, n_cols, T
 def gate_up_epilogue(acc_g, acc_u, b_ptr, e, sbe, inter, offs_n, nmask, alpha, limit, HAS_BIAS: tl.constexpr,
                      ACT: tl.constexpr):
     """fp32 gate and up tiles -> the activated tile: expert e's gate and up biases (columns n, I + n)
-    added, then ACT 0: silu(g) * u; 1: GPT-OSS's clamped SwiGLU (``moe_activation_ref``)."""
+    added, then ACT 0: silu(g) * u; 1: GPT-OSS's clamped SwiGLU; 2: silu(min(g, limit)) * clamp(u, +-limit)
+    (DeepSeek-V4) (``moe_activation_ref``)."""
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * sbe + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + e * sbe + inter + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if ACT == 0:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:
+    elif ACT == 1:
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
     return h
 
 

@@ -30,7 +30,7 @@ from tokenfab.kernels.moe_common import (
     store_pair_rows,
 )
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")  # silu_clamp: DeepSeek-V4 (gate <= limit, |up| <= limit)
 
 
 def _check_activation(activation: str) -> None:
@@ -41,13 +41,16 @@ def _check_activation(activation: str) -> None:
 def moe_activation_ref(
     gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0
 ) -> torch.Tensor:
-    """gate_up [..., 2I] = [gate | up] -> [..., I]: silu(g) * u, or GPT-OSS's clamped SwiGLU."""
+    """gate_up [..., 2I] = [gate | up] -> [..., I]: silu(g) * u, GPT-OSS's clamped SwiGLU, or DeepSeek-V4's
+    silu(min(g, limit)) * clamp(u, -limit, limit) ("silu_clamp")."""
     i = gate_up.shape[-1] // 2
     g, u = gate_up[..., :i], gate_up[..., i:]
     if activation == "silu":
         return F.silu(g) * u
     g = g.clamp(max=limit)
     u = u.clamp(min=-limit, max=limit)
+    if activation == "silu_clamp":
+        return F.silu(g) * u
     return (u + 1) * (g * torch.sigmoid(g * alpha))
 
 
@@ -115,7 +118,7 @@ def _moe_gate_up_kernel(
     """Program (row tile, column tile): out[pair, n] = act(x[pair // k] . W13[e, n] + b, x . W13[e, I + n] + b).
 
     The row tile's BLOCK_M sorted pairs share expert e = expert_ids[tile]; sentinel rows load
-    zeros and are not stored. ACT: 0 SiLU-gated, 1 GPT-OSS clamped SwiGLU.
+    zeros and are not stored. ACT: 0 SiLU-gated, 1 GPT-OSS clamped SwiGLU, 2 DeepSeek-V4's clamped SiLU.
     """
     pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):

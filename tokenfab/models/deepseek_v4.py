@@ -57,8 +57,8 @@ class ClampedMLP(nn.Module):
 
 
 class DeepseekV4MoE(FusedMoE):
-    """FusedMoE with V4's routing (sqrtsoftplus scores, top-k or hash) and clamped SwiGLU experts.
-    The experts run as a per-expert PyTorch loop: the fused kernel has no clamped-SwiGLU activation yet."""
+    """FusedMoE with V4's routing (sqrtsoftplus scores, top-k or hash); the routed experts run in the fused MoE
+    kernels with the ``silu_clamp`` activation (silu(min(g, limit)) * clamp(u, -limit, limit))."""
 
     def __init__(self, config: Any, hashed: bool) -> None:
         limit = float(config.swiglu_limit)
@@ -66,7 +66,7 @@ class DeepseekV4MoE(FusedMoE):
         super().__init__(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                          config.num_experts_per_tok, renormalize=True, scoring=config.scoring_func,
                          routed_scaling_factor=config.routed_scaling_factor, correction_bias=not hashed,
-                         swiglu_limit=limit, shared_experts=shared)
+                         activation="silu_clamp", swiglu_limit=limit, shared_experts=shared)
         if config.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unsupported DeepSeek-V4 scoring_func {config.scoring_func!r}")
         self.hashed = hashed
@@ -90,18 +90,6 @@ class DeepseekV4MoE(FusedMoE):
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
         return w, ids.to(torch.int32)
-
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_experts is not None:
-            return self.quant_experts(x, weights, ids)
-        per_slot = x.new_zeros(ids.shape[0], ids.shape[1], x.shape[1])  # each (token, slot) written once
-        i = self.intermediate_size
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            gate_up = F.linear(x[tok], self.w13_weight[e])
-            y = F.linear(clamped_swiglu(gate_up[:, :i], gate_up[:, i:], self.swiglu_limit), self.w2_weight[e])
-            per_slot[tok, slot] = (y * weights[tok, slot, None]).to(x.dtype)
-        return per_slot.sum(dim=1)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         self._input_ids = input_ids
