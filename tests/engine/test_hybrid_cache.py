@@ -178,18 +178,20 @@ def test_prefix_hits_with_state_snapshots_equal_reference(toy_dir, flood, budget
     expected = hybrid_toy.reference_greedy(toy_dir, batch, N_TOKENS)
     eng = engine(toy_dir, max_num_batched_tokens=budget)
     bm = eng.block_manager
-    assert bm.enable_prefix_caching and bm.state_snapshots is not None and eng.runner.snapshot_caches
+    assert bm.enable_prefix_caching and bm.state_snapshots is not None and eng.runner.state_snapshots.caches
     got = [run_all(eng, [p])[0] for p in batch]
     assert got == expected
     assert bm.state_snapshots.restored >= 4 and bm.prefix_hits >= 3 * 48 + 16  # the system prompt x3, the 2nd turn
     assert eng.post is not None and eng.get_stats().prefix_cache_hits_total == bm.prefix_hits
 
 
-def test_prefix_hits_under_preemption_equal_reference(toy_dir, flood):
-    """The flood with prefix caching and a few snapshot rows (reused LRU) into KV for about 3 sequences."""
+@pytest.mark.parametrize("snapshots", [1, 4])
+def test_prefix_hits_under_preemption_equal_reference(toy_dir, flood, snapshots):
+    """The flood with prefix caching and few snapshot rows (reused LRU, one row reserved twice in a step
+    with 1) into KV for about 3 sequences."""
     prompts, expected = flood
     batch = prompts + [list(p) for p in prompts[:10]]  # the first ten twice: hits
-    eng = engine(toy_dir, num_kv_blocks=15, max_num_batched_tokens=64, num_state_snapshots=4)
+    eng = engine(toy_dir, num_kv_blocks=15, max_num_batched_tokens=64, num_state_snapshots=snapshots)
     assert run_all(eng, batch, slot_watcher()) == expected + expected[:10]
     assert eng.get_stats().num_preemptions_total > 5
 
@@ -215,7 +217,7 @@ def test_state_bytes_come_out_of_the_kv_budget(toy_dir):
     assert per_slot == 64 * 3 * 4  # conv (64, 2) + ssm (64,), float32
     states = state_cache_bytes(eng.model, 16) + 5 * per_slot
     assert states == per_slot * (17 + 5)  # 16 slots + the scratch row, 5 snapshot rows
-    tensors = [*eng.runner.state_caches.values(), *eng.runner.snapshot_caches.values()]
+    tensors = [*eng.runner.state_caches.values(), *eng.runner.state_snapshots.caches.values()]
     assert sum(t.numel() * t.element_size() for t in tensors) == states
     per_block = eng.memory["kv_bytes_per_token"] * 16
     assert eng.block_manager.num_blocks == min((mem - states) // per_block, 16 * 64)

@@ -12,6 +12,7 @@ from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sampling_params import SamplingParams
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.state_slots import StateSlots
+from tokenfab.engine.requests.state_snapshots import StateSnapshots
 
 
 def seq(i: int, n: int = 20) -> Sequence:
@@ -85,3 +86,27 @@ def test_num_state_slots_flag():
     assert EngineArgs.from_cli_args(parser.parse_args([])).num_state_slots is None
     with pytest.raises(ValueError, match="num_state_slots"):
         EngineArgs(num_state_slots=0)
+
+
+def test_snapshot_index_lru():
+    snaps = StateSnapshots(2)
+    assert snaps.reserve(b"a") == 0 and snaps.reserve(b"b") == 1
+    assert snaps.reserve(b"a") is None  # already saved (and now most recently used)
+    assert snaps.reserve(b"c") == 1  # "b" was the least recently used
+    assert snaps.lookup(b"b") is None and snaps.lookup(b"a") == 0 and snaps.lookup(b"c") == 1
+    assert snaps.reserve(b"d") == 0  # "a" was looked up before "c": "a" is older
+    snaps.clear()
+    assert len(snaps) == 0 and snaps.lookup(b"c") is None and snaps.reserve(b"e") == 0
+
+
+@pytest.mark.parametrize("start,n,num_tokens,want", [
+    (0, 24, 53, 16),  # stops short of the end: cut to the boundary it crosses
+    (0, 10, 53, 10),  # crosses none: unchanged
+    (16, 37, 53, 32),  # reaches the end: first stops at the last boundary before the last token (48)
+    (48, 5, 53, 5),  # the tail
+    (0, 48, 48, 32),  # 48 tokens: the last boundary before token 47 is 32
+    (0, 10, 10, 10),  # under one block: nothing to align
+    (52, 1, 53, 1),  # a decode
+])
+def test_align_chunk(start, n, num_tokens, want):
+    assert StateSnapshots.align_chunk(start, n, num_tokens, 16) == want

@@ -19,12 +19,7 @@ from torch import nn
 
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.requests.state_snapshots import StateSnapshots
-from tokenfab.engine.runner.state_cache import (
-    alloc_snapshot_caches,
-    bind_state_caches,
-    copy_state_rows,
-    recurrent_state_layers,
-)
+from tokenfab.engine.runner.state_cache import SnapshotRows, bind_state_caches, recurrent_state_layers
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels.batch_invariant import batch_invariant_mode
 from tokenfab.layers.attention import Attention
@@ -132,31 +127,12 @@ class ModelRunner:
             if num_state_slots < 1:
                 raise ValueError("this model keeps per-sequence recurrent state: the runner needs num_state_slots >= 1")
             self.state_caches = bind_state_caches(model, num_state_slots, device)
-        #: hybrid prefix caching: the snapshot index and its rows (``attach_state_snapshots``; None: off)
-        self.state_snapshots: StateSnapshots | None = None
-        self.snapshot_caches: dict[tuple[str, str], torch.Tensor] = {}
+        #: hybrid prefix caching: state snapshot rows (``attach_state_snapshots``; None: off)
+        self.state_snapshots: SnapshotRows | None = None
 
-    def attach_state_snapshots(self, snapshots: StateSnapshots) -> None:
+    def attach_state_snapshots(self, index: StateSnapshots) -> None:
         """Allocate the snapshot rows of hybrid prefix caching (their bytes are in the KV budget)."""
-        self.state_snapshots = snapshots
-        self.snapshot_caches = alloc_snapshot_caches(self.state_caches, snapshots.capacity)
-
-    def _copy_state_snapshots(self, seqs: list[Sequence]) -> None:
-        """Before the forward: restore the snapshots of sequences starting on a prefix hit, and save the
-        state of sequences whose computed tokens end on a block boundary (their slot holds exactly it)."""
-        snaps, bs = self.state_snapshots, self.block_size
-        restores: list[tuple[int, int]] = []
-        saves: list[tuple[int, int]] = []
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            if seq.state_restore_row >= 0:
-                restores.append((seq.state_restore_row, seq.state_slot))
-                seq.state_restore_row = -1
-            elif start and start % bs == 0 and len(seq.block_hashes) >= start // bs:
-                row = snaps.reserve(seq.block_hashes[start // bs - 1])
-                if row is not None:
-                    saves.append((seq.state_slot, row))
-        copy_state_rows(self.state_caches, self.snapshot_caches, restores, saves)
+        self.state_snapshots = SnapshotRows(index, self.state_caches)
 
     def _bind_paged_caches(self, modules: list[nn.Module]) -> None:
         """Per-layer cache shapes (``paged_cache_layers``): one flat tensor of the model dtype, carved into
@@ -192,8 +168,8 @@ class ModelRunner:
         states are kept for prompt logprobs (``execute_scoring``); None: none anywhere.
         A sequence with k speculative drafts (``seq.spec_token_ids``, counted in its new tokens)
         gets them after its known tokens, and logits for its last k + 1 rows (the verify rows)."""
-        if self.state_snapshots is not None:
-            self._copy_state_snapshots(seqs)
+        if self.state_snapshots is not None:  # hybrid prefix caching: copies between slots and snapshots
+            self.state_snapshots.before_forward(seqs, self.block_size)
         input_ids: list[int] = []
         positions: list[int] = []
         cu = [0]

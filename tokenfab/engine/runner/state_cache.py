@@ -16,6 +16,9 @@ import math
 import torch
 from torch import nn
 
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.requests.state_snapshots import StateSnapshots
+
 StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -72,11 +75,30 @@ def num_state_slots_for(model: nn.Module, num_state_slots: int | None, max_num_s
     return num_state_slots or max_num_seqs
 
 
-def alloc_snapshot_caches(state_caches: dict[tuple[str, str], torch.Tensor],
-                          num_snapshots: int) -> dict[tuple[str, str], torch.Tensor]:
-    """Snapshot rows for hybrid prefix caching (``requests/state_snapshots.py``): one tensor
-    [num_snapshots, *shape] beside each state tensor, same dtype and device."""
-    return {key: t.new_zeros(num_snapshots, *t.shape[1:]) for key, t in state_caches.items()}
+class SnapshotRows:
+    """Hybrid prefix caching's device side: one tensor [capacity, *shape] beside each state tensor, and the
+    copies between slots and rows before each forward (the index is ``requests/state_snapshots.py``)."""
+
+    def __init__(self, index: StateSnapshots, state_caches: dict[tuple[str, str], torch.Tensor]) -> None:
+        self.index = index
+        self.state_caches = state_caches
+        self.caches = {key: t.new_zeros(index.capacity, *t.shape[1:]) for key, t in state_caches.items()}
+
+    def before_forward(self, seqs: list[Sequence], block_size: int) -> None:
+        """Restore the snapshot of each sequence starting on a prefix hit into its slot; save the slot of
+        each sequence whose computed tokens end on a block boundary (it holds exactly that state)."""
+        restores: list[tuple[int, int]] = []
+        saves: dict[int, int] = {}  # row -> slot: a row reserved twice in one step (tiny capacity) keeps the last
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            if seq.state_restore_row >= 0:
+                restores.append((seq.state_restore_row, seq.state_slot))
+                seq.state_restore_row = -1
+            elif start and start % block_size == 0 and len(seq.block_hashes) >= start // block_size:
+                row = self.index.reserve(seq.block_hashes[start // block_size - 1])
+                if row is not None:
+                    saves[row] = seq.state_slot
+        copy_state_rows(self.state_caches, self.caches, restores, [(slot, row) for row, slot in saves.items()])
 
 
 def copy_state_rows(state_caches: dict[tuple[str, str], torch.Tensor],
