@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tokenfab.distributed import two_batch
-from tokenfab.engine.args import EngineArgs, background_limits
+from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.forwarded import Forwarded
 from tokenfab.engine.intake import RequestIntake, RequestLimits, tokenize_prompt
 from tokenfab.engine.overlap import OverlapScheduler
@@ -40,6 +40,7 @@ from tokenfab.engine.runner.kv_budget import kv_cache_blocks
 from tokenfab.engine.runner.kv_offload import offload_connector_for, offload_stats
 from tokenfab.engine.runner.lora_manager import LoRAManager, lora_manager_for
 from tokenfab.engine.runner.model_runner import ModelRunner, kv_bytes_per_token
+from tokenfab.engine.runner.pd_hook import pd_hook_for, refuse_params
 from tokenfab.engine.runner.prompt_logprobs import prompt_rows_of, score_prompt
 from tokenfab.engine.runner.state_cache import num_state_slots_for, state_bytes_per_slot, state_cache_bytes
 from tokenfab.executors.eplb_engine import EplbConfig, EplbController
@@ -127,8 +128,11 @@ class LLMEngine:
         # --kv-offload-bytes / --kv-offload-dir: evicted prefix blocks kept beyond the device (None: off)
         self.kv_connector = offload_connector_for(args, self.runner, spec_config is not None)
         self.block_manager.connector = self.kv_connector
+        # --kv-transfer-config: prefill/decode disaggregation (engine/runner/pd_hook.py; None: off)
+        self.kv_transfer = pd_hook_for(args, self.runner, self.block_manager, spec_config is not None)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.background_prefill_share, *background_limits(args, self.device.type))
+                                   args.background_prefill_share, args.background_decodes_while_online,
+                                   args.background_max_prefill_tokens)
         self.kv_cache_tokens = num_blocks * args.block_size
         self.intake = RequestIntake(self.tokenizer, RequestLimits(self.vocab_size, self.max_model_len,
                                                                   self.kv_cache_tokens), self.scheduling_policy)
@@ -171,6 +175,8 @@ class LLMEngine:
             self.kv_events.close()
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.close()
+        if getattr(self, "kv_transfer", None) is not None:
+            self.kv_transfer.close()
 
     # ---- requests -------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -207,11 +213,17 @@ class LLMEngine:
                 raise ValueError("lora_request: this engine was started without --enable-lora")
             self.lora.admit(lora_request)  # read now: a bad adapter is refused before it is queued
             seq.lora_request = lora_request
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_add(seq)  # a decode leg's blocks are read here (a failed read: prefilled here)
+        else:
+            refuse_params(seq)
         self._seqs[request_id] = seq
         self.prompt_tokens_total += seq.num_prompt_tokens
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_abort(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq)
@@ -247,9 +259,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.lora is not None:
             self.lora.limit_batch(batch)  # at most --max-loras adapters a step; the others wait
-        if batch.empty:
-            return self.post.unschedulable()
-        return self.run_batch(batch)
+        outputs = self.post.unschedulable() if batch.empty else self.run_batch(batch)
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_outputs(outputs)  # finished prefill legs staged before the next schedule
+        return outputs
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and process one scheduled batch, synchronously."""

@@ -164,7 +164,8 @@ class OutputProcessor:
 
     def process(self, request_id: str, new_ids: list[int], logprobs: list | None, finish_reason: str | None,
                 stop_reason: int | str | None, error: str | None, num_cached_tokens: int,
-                prompt_logprobs: list | None, stopped: list[str]) -> RequestOutput | None:
+                prompt_logprobs: list | None, stopped: list[str],
+                kv_transfer_params: dict | None = None) -> RequestOutput | None:
         """One output record of the core (see ``ipc``); None for a request no longer tracked."""
         st = self.states.get(request_id)
         if st is None:
@@ -197,4 +198,4 @@ class OutputProcessor:
             delta_text=delta_text, delta_token_ids=delta_ids,
         )
         return RequestOutput(request_id, None, st.prompt_token_ids, [out], finished, st.num_cached_tokens,
-                             None, st.prompt_logprobs, st.error)
+                             None, st.prompt_logprobs, st.error, kv_transfer_params)

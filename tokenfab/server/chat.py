@@ -65,6 +65,9 @@ async def create_chat_completion(server: OpenAIServer, body: ChatCompletionReque
     }
     if body.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+    kv = finals[0][-1].kv_transfer_params if finals.get(0) else None
+    if kv is not None:  # prefill/decode disaggregation: for the consumer (vLLM's field)
+        response["kv_transfer_params"] = kv
     return JSONResponse(response)
 
 

@@ -61,11 +61,15 @@ async def create_completion(server: OpenAIServer, body: CompletionRequest, reque
             choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
         choices.append(choice)
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    return JSONResponse({
+    response = {
         "id": request_id, "object": "text_completion", "created": created, "model": body.model or server.model_name,
         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, finals),
         "system_fingerprint": None,
-    })
+    }
+    kv = finals[0][-1].kv_transfer_params if finals.get(0) else None
+    if kv is not None:  # prefill/decode disaggregation: for the consumer (vLLM's field)
+        response["kv_transfer_params"] = kv
+    return JSONResponse(response)
 
 
 async def _completion_stream(server: OpenAIServer, body: CompletionRequest, stream: RequestStream, request_id: str,

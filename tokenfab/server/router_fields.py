@@ -14,6 +14,8 @@ each decided on its own:
 - ``stream_reasoning`` (both, chat): accepted; reasoning is always streamed as it comes (false is logged and
   ignored: the text is the same, only its chunking differs).
 - ``include_reasoning`` (vllm-router, chat): honoured; false drops ``reasoning_content`` / ``reasoning``.
+- ``kv_transfer_params`` (vllm-router's ``--vllm-pd-disaggregation``, vLLM's field): honoured by an instance started
+  with ``--kv-transfer-config`` (prefill/decode disaggregation); others refuse it with a 400.
 
 Any other unknown field is still a 400 that names it (``protocol.py``).
 """
@@ -21,6 +23,7 @@ Any other unknown field is still a 400 that names it (``protocol.py``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +39,9 @@ class RouterFields(BaseModel):
                                "the output (the same as include_stop_str_in_output)")
     return_hidden_states: bool = Field(default=False, description="router/SGLang extra: must be false (hidden "
                                        "states are not returned)")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        default=None, description="vllm-router --vllm-pd-disaggregation / vLLM: prefill/decode disaggregation "
+        "(docs/fleet.md); checked by the engine, refused by an instance started without --kv-transfer-config")
 
     @field_validator("return_hidden_states")
     @classmethod

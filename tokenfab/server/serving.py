@@ -218,6 +218,7 @@ class OpenAIServer:
                 include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
                 speculative=body.speculative,
                 constraint=constraint,
+                kv_transfer_params=body.kv_transfer_params,
             )
         except ValueError as e:
             raise APIError(400, str(e), param=param_of(str(e))) from e

@@ -294,7 +294,7 @@ class EngineCoreClient:
                 continue
             records, stats = fields
             for rec in records:
-                out = self.processor.process(*rec, stopped)
+                out = self.processor.process(*rec[:8], stopped, kv_transfer_params=rec[8] if len(rec) > 8 else None)
                 if out is not None:
                     outputs.append(out)
                     if out.finished:

@@ -12,9 +12,9 @@ Messages (core -> front end): ``ready`` (model info), ``outputs`` (a list of per
 the engine's stats), ``dead`` (the core hit a fatal error and exits).
 
 A per-request output is ``[id, new_token_ids, logprobs, finish_reason, stop_reason, error,
-num_cached_tokens, prompt_logprobs]``; ``logprobs`` holds one ``[ids, logprobs, ranks]`` triple of
-parallel arrays per new token (``None`` when not asked for), ``prompt_logprobs`` one triple per
-prompt position (first ``None``), sent once.
+num_cached_tokens, prompt_logprobs, kv_transfer_params]`` (the last may be left out: None; prefill/decode
+disaggregation); ``logprobs`` holds one ``[ids, logprobs, ranks]`` triple of parallel arrays per new token
+(``None`` when not asked for), ``prompt_logprobs`` one triple per prompt position (first ``None``), sent once.
 """
 
 from __future__ import annotations
@@ -64,10 +64,11 @@ def _triples(x: Any) -> bool:
 
 
 def _output(x: Any) -> bool:
-    return (isinstance(x, list) and len(x) == 8 and _str(x[0]) and _int_list(x[1]) and _opt(_triples)(x[2])
+    return (isinstance(x, list) and len(x) in (8, 9) and _str(x[0]) and _int_list(x[1]) and _opt(_triples)(x[2])
             and _opt(_str)(x[3]) and (x[4] is None or _str(x[4]) or _is_int(x[4])) and _opt(_str)(x[5])
             and _is_int(x[6]) and (x[7] is None or (isinstance(x[7], list)
-                                                    and all(t is None or _triple(t) for t in x[7]))))
+                                                    and all(t is None or _triple(t) for t in x[7])))
+            and (len(x) == 8 or x[8] is None or isinstance(x[8], dict)))
 
 
 # tag -> the checks of its fields, in order

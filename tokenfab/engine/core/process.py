@@ -259,7 +259,8 @@ class EngineCore:
             plp = [None if e is None else logprobs_to_wire(e) for e in out.prompt_logprobs]
             self._sent_prompt_lp.add(out.request_id)
         stop = co.stop_reason if co.stop_reason is None or isinstance(co.stop_reason, (int, str)) else None
-        return [rid, new, lps, co.finish_reason, stop, out.error, int(out.num_cached_tokens or 0), plp]
+        return [rid, new, lps, co.finish_reason, stop, out.error, int(out.num_cached_tokens or 0), plp,
+                out.kv_transfer_params]
 
     def _with_acks(self, stats: dict | None, ident: bytes) -> dict:
         adds, aborts = self._seen.get(ident, (0, 0))

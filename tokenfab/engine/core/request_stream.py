@@ -42,6 +42,7 @@ class StreamChunk(Finishable):
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation: a producer's answer to the consumer
 
 
 @dataclass
@@ -158,6 +159,7 @@ def next_chunk(sub: Choice, out: RequestOutput, now: float) -> StreamChunk:
         chunk.text = co.text
         chunk.token_ids = list(co.token_ids)
         chunk.finished_time = now
+        chunk.kv_transfer_params = getattr(out, "kv_transfer_params", None)
     return chunk
 
 

@@ -68,3 +68,5 @@ class RequestOutput:
     # one entry per prompt token (the first is None: nothing precedes it), when asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), else None
+    # prefill/decode disaggregation: what a producer's finished request tells the consumer (vLLM's field)
+    kv_transfer_params: dict | None = None

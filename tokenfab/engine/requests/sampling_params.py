@@ -77,6 +77,9 @@ class SamplingParams:
     # speculative decoding may be used for this request when the engine has it on (False: opt out)
     speculative: bool = True
     constraint: LogitsConstraint | None = field(default=None, repr=False, compare=False)
+    # prefill/decode disaggregation: vLLM's kv_transfer_params of the request (engine/kv_transfer/pd_params.py
+    # checks them; they travel as given, a JSON object)
+    kv_transfer_params: dict | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,0 +1,119 @@
+"""The engine's side of prefill/decode disaggregation (``--kv-transfer-config``): what ``LLMEngine`` calls when a
+request arrives, is aborted, or finishes, with ``engine/kv_transfer/pd_connector.py`` doing the moving.
+
+- A request with ``kv_transfer_params.do_remote_decode`` (the router's prefill leg) on a producer is tracked; when
+  it finishes, its prompt's full blocks are staged for the consumer and its output carries the parameters.
+- A request with ``kv_transfer_params.do_remote_prefill`` (the decode leg, carrying the producer's answer) on a
+  consumer has its blocks read at ``add_request``; the block manager's admission then loads them from the
+  connector as from any KV tier (the consumer is the block manager's connector).
+- Parameters on an instance started without ``--kv-transfer-config``, or asking a role it was not given, are a
+  ValueError (a 400): a prefill leg that silently decoded everything would hide a misconfigured fleet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from tokenfab.engine.kv_transfer.pd_params import check_params
+from tokenfab.engine.kv_transfer.transfer_config import KVTransferConfig
+from tokenfab.engine.requests.block_manager import BlockManager, hash_block, root_digest
+from tokenfab.engine.requests.outputs import RequestOutput
+from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.runner.kv_offload import runner_block_io
+from tokenfab.engine.runner.model_runner import ModelRunner
+
+log = logging.getLogger("tokenfab")
+
+
+def prompt_digests(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
+    """The prefix-cache digests of the full blocks within ``seq``'s first ``num_tokens`` tokens, computed as the
+    block manager computes them (salt and adapter in the root)."""
+    lora = seq.lora_request.lora_int_id if seq.lora_request is not None else 0
+    parent = root_digest(seq.cache_salt, lora)
+    out = []
+    for i in range(num_tokens // block_size):
+        parent = hash_block(parent, seq.token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def refuse_params(seq: Sequence) -> None:
+    """An engine without --kv-transfer-config: kv_transfer_params are a ValueError, unless they ask for nothing."""
+    params = check_params(seq.params.kv_transfer_params)
+    if params is not None and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+        raise ValueError("kv_transfer_params: this instance was started without --kv-transfer-config")
+
+
+class PDHook:
+    def __init__(self, cfg: KVTransferConfig, connector: Any, block_manager: BlockManager) -> None:
+        self.cfg = cfg
+        self.connector = connector  # pd_connector.PDConnector
+        self.bm = block_manager
+        self._producing: dict[str, Sequence] = {}  # request id -> a prefill leg to stage when it finishes
+
+    def on_add(self, seq: Sequence) -> None:
+        """Check the request's parameters (ValueError naming the field); a decode leg's blocks are read now."""
+        params = check_params(seq.params.kv_transfer_params)
+        if params is None:
+            return
+        if params.get("do_remote_decode"):
+            if not self.cfg.is_producer:
+                raise ValueError(f"kv_transfer_params.do_remote_decode: this instance is a {self.cfg.kv_role}")
+            self._producing[seq.request_id] = seq
+        elif params.get("do_remote_prefill"):
+            if not self.cfg.is_consumer:
+                raise ValueError(f"kv_transfer_params.do_remote_prefill: this instance is a {self.cfg.kv_role}")
+            if self.bm.enable_prefix_caching:  # else nothing could take the blocks: prefill locally
+                digests = prompt_digests(seq, self.bm.block_size, seq.num_tokens - 1)
+                self.connector.fetch(params, digests)
+
+    def on_abort(self, request_id: str) -> None:
+        self._producing.pop(request_id, None)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """After a step: the finished prefill legs' blocks staged, their outputs given the parameters. Runs before
+        the next schedule, so blocks freed by this step still hold their data."""
+        if self.cfg.is_producer:
+            self.connector.poll()
+        for out in outputs:
+            if not out.finished:
+                continue
+            seq = self._producing.pop(out.request_id, None)
+            if seq is None or out.error is not None:
+                continue
+            digests, blocks = [], []
+            for d in seq.block_hashes[:seq.num_prompt_tokens // self.bm.block_size]:
+                block = self.bm.cached.get(d)  # the prompt's blocks, freed at finish, still cached
+                if block is None:
+                    break
+                digests.append(d)
+                blocks.append(block)
+            out.kv_transfer_params = self.connector.publish(digests, blocks)
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+def pd_hook_for(args: Any, runner: ModelRunner, block_manager: BlockManager, speculative: bool) -> PDHook | None:
+    """The hook for ``args.kv_transfer_config``, or None when it is not set. ValueError for a bad config or a
+    combination not supported yet; the consumer becomes the block manager's connector."""
+    cfg = KVTransferConfig.parse(getattr(args, "kv_transfer_config", None))
+    if cfg is None:
+        return None
+    refused = [(args.tensor_parallel_size != 1, "--tensor-parallel-size > 1 (each rank holds a shard of a block)"),
+               (speculative, "--speculative-config (the draft's cache is not transferred)"),
+               (bool(getattr(args, "async_scheduling", False)), "--async-scheduling (the next step may overwrite a "
+                "finished prompt's blocks before they are staged)"),
+               (not args.enable_prefix_caching, "prefix caching off (blocks are found by their prefix digests)"),
+               (block_manager.connector is not None, "--kv-offload-bytes / --kv-offload-dir (one connector)")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--kv-transfer-config with {what} is not supported yet")
+    # NIXL is an optional dependency, imported only by instances that use it
+    connector_module = importlib.import_module("tokenfab.engine.kv_transfer.pd_connector")
+    connector = connector_module.PDConnector(cfg, runner_block_io(runner), block_manager.block_size)
+    if cfg.is_consumer:
+        block_manager.connector = connector
+    return PDHook(cfg, connector, block_manager)
