@@ -41,8 +41,12 @@ class EngineArgs:
     # background work (priority 2**31-1, e.g. /v1/batches; any policy) while online requests wait or prefill:
     # the share of a step's tokens its prefill chunks may take, and whether its decodes go on (scheduler.py)
     background_prefill_share: float = 0.0
-    background_decodes_while_online: bool = True
-    background_max_prefill_tokens: int | None = None  # background prefill tokens in any one step (None: no cap)
+    # "auto" (background_limits below): on a CPU, background decodes pause while online work is pending and
+    # background prefill takes at most 16 tokens a step (a CPU step lasts as long as its tokens, and an arriving
+    # online request waits for the step in flight: docs/batches.md); on a GPU neither. Both act only while
+    # background work exists. background_max_prefill_tokens None or 0: no cap
+    background_decodes_while_online: bool | str = "auto"
+    background_max_prefill_tokens: int | str | None = "auto"
     # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
@@ -95,6 +99,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         KVTransferConfig.parse(self.kv_transfer_config)  # a bad config fails here, before the model loads
+        background_limits(self, "cpu")  # a bad background setting fails here
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ValueError(f"num_state_slots must be at least 1, got {self.num_state_slots!r}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
@@ -158,12 +163,17 @@ class EngineArgs:
                             "under any policy; while online requests wait or prefill, background prefill chunks get "
                             "at most this share of a step's tokens (default 0: none)")
         parser.add_argument("--no-background-decodes-while-online", dest="background_decodes_while_online",
-                            action="store_false",
+                            action="store_false", default="auto",
                             help="pause background decodes too while online requests wait or prefill (they then "
-                            "count in --background-prefill-share)")
-        parser.add_argument("--background-max-prefill-tokens", type=int, default=None,
-                            help="at most this many background prefill tokens in any step, online work or not "
-                            "(default: no cap); bounds the step an arriving online request waits behind (CPU)")
+                            "count in --background-prefill-share); the default on a CPU")
+        parser.add_argument("--background-decodes-while-online", dest="background_decodes_while_online",
+                            action="store_true", default="auto",
+                            help="let background decodes go on while online requests wait or prefill (the default "
+                            "on a GPU)")
+        parser.add_argument("--background-max-prefill-tokens", type=_max_prefill_tokens, default="auto",
+                            help="at most this many background prefill tokens in any step, online work or not; "
+                            "bounds the step an arriving online request waits behind. 0: no cap; auto (default): "
+                            f"{CPU_BACKGROUND_MAX_PREFILL_TOKENS} on a CPU, no cap on a GPU")
         parser.add_argument("--async-scheduling", action="store_true",
                             help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
                             "tokens feed the next step without a host sync, stop checks run one step behind")
@@ -233,3 +243,36 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+CPU_BACKGROUND_MAX_PREFILL_TOKENS = 16  # measured: docs/batches.md, benchmarks/results/lora_bench.md
+
+
+def _max_prefill_tokens(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number of tokens (0: no cap) or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"give a number of tokens >= 0 (0: no cap) or auto, got {text!r}")
+    return value
+
+
+def background_limits(args: EngineArgs, device_type: str) -> tuple[bool, int | None]:
+    """(background decodes go on while online work is pending, background prefill tokens a step or None for no
+    cap) for an engine on ``device_type``, "auto" resolved: on a CPU decodes paused and
+    ``CPU_BACKGROUND_MAX_PREFILL_TOKENS``, on a GPU decodes on and no cap. ValueError for a bad setting."""
+    decodes, cap = args.background_decodes_while_online, args.background_max_prefill_tokens
+    cpu = device_type == "cpu"
+    if decodes == "auto":
+        decodes = not cpu
+    elif not isinstance(decodes, bool):
+        raise ValueError(f"background_decodes_while_online must be true, false or 'auto', got {decodes!r}")
+    if cap == "auto":
+        cap = CPU_BACKGROUND_MAX_PREFILL_TOKENS if cpu else None
+    elif cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ValueError(f"background_max_prefill_tokens must be a number of tokens >= 0 (0: no cap), None or "
+                         f"'auto', got {cap!r}")
+    return decodes, cap or None

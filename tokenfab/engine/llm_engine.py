@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tokenfab.distributed import two_batch
-from tokenfab.engine.args import EngineArgs
+from tokenfab.engine.args import EngineArgs, background_limits
 from tokenfab.engine.forwarded import Forwarded
 from tokenfab.engine.intake import RequestIntake, RequestLimits, tokenize_prompt
 from tokenfab.engine.overlap import OverlapScheduler
@@ -131,8 +131,7 @@ class LLMEngine:
         # --kv-transfer-config: prefill/decode disaggregation (engine/runner/pd_hook.py; None: off)
         self.kv_transfer = pd_hook_for(args, self.runner, self.block_manager, spec_config is not None)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.background_prefill_share, args.background_decodes_while_online,
-                                   args.background_max_prefill_tokens)
+                                   args.background_prefill_share, *background_limits(args, self.device.type))
         self.kv_cache_tokens = num_blocks * args.block_size
         self.intake = RequestIntake(self.tokenizer, RequestLimits(self.vocab_size, self.max_model_len,
                                                                   self.kv_cache_tokens), self.scheduling_policy)
