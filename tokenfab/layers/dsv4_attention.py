@@ -16,7 +16,8 @@ parameters, compressed layers the "compress" ones (their own theta, YaRN when co
 The cache (bound by the model runner from ``paged_cache_shapes``): ``kv_cache`` [num_blocks, bs, width],
 one row per token: kv, then the compressor's (and the indexer's) C and Z rows; ``comp_cache``
 [num_blocks, R, D (+ d_I)], the compressed entries at the layout of ``CompressedLayout``. The attention
-itself is a PyTorch reference over gathered rows (no Triton kernel yet). Checkpoint names (the official
+itself streams the rows it names (``kernels.dsv4_attention``: Triton, or the PyTorch reference); the
+compressors and the indexer's scores are PyTorch over gathered rows. Checkpoint names (the official
 layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compressor.*,indexer.*}``.
 """
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from tokenfab.forward_batch import ForwardBatch
+from tokenfab.kernels.dsv4_attention import dsv4_sparse_attention
 from tokenfab.layers.dsv4_compressor import (
     CompressedLayout,
     Compressor,
@@ -150,25 +152,18 @@ class DeepseekV4Attention(nn.Module):
 
     def _attend_slice(self, q: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
                       seq: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """Queries of some tokens over their window and compressed keys -> [S, H, D], rotated back."""
-        block_size, d = self.kv_cache.shape[1], self.head_dim
-        win = CompressedLayout(block_size, 1)
+        """Queries of some tokens over their window rows and compressed entries (``kernels.dsv4_attention``:
+        the rows are named by index, -1 for none) -> [S, H, D], rotated back."""
+        win = CompressedLayout(self.kv_cache.shape[1], 1)
         kpos = pos.unsqueeze(1) - self.sliding_window + 1 + torch.arange(self.sliding_window, device=q.device)
-        key_ok = kpos >= 0
-        keys = rows[win.token_slots(tables, seq.unsqueeze(1), kpos.clamp(min=0))][..., :d]
+        idx_win = torch.where(kpos >= 0, win.token_slots(tables, seq.unsqueeze(1), kpos.clamp(min=0)), -1)
+        entries, idx_comp = rows, idx_win[:, :0]
         if self.ratio:
-            comp_keys, comp_ok = self._compressed_keys(x, q_resid, pos, seq, tables, n)
-            keys, key_ok = torch.cat((keys, comp_keys), dim=1), torch.cat((key_ok, comp_ok), dim=1)
-        return self.rotary(self._attend(q, keys.to(q.dtype), key_ok), pos, inverse=True)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], keys [T, L, D] (also the values), key_ok [T, L] -> [T, H, D] with the sink logit."""
-        t, h, _ = q.shape
-        logits = torch.einsum("thd,tld->thl", q, keys).float() * self.head_dim**-0.5
-        logits = logits.masked_fill(~key_ok.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.float().view(1, h, 1).expand(t, h, 1)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys)
+            assert self.comp_cache is not None
+            entries = self.comp_cache.view(-1, self.entry_width)
+            idx_comp = self._compressed_rows(x, q_resid, pos, seq, tables, entries, n)
+        o = dsv4_sparse_attention(q, rows, idx_win, entries, idx_comp, self.attn_sink, self.head_dim**-0.5)
+        return self.rotary(o, pos, inverse=True)
 
     def _close_windows(self, batch: ForwardBatch, seq_of_token: torch.Tensor, rows: torch.Tensor) -> None:
         """Write the entries of the windows whose last token is in this step into ``comp_cache``."""
@@ -184,21 +179,19 @@ class DeepseekV4Attention(nn.Module):
             entries = self.comp_cache.view(-1, self.entry_width)
             entries[layout.entry_rows(tables, seq, window)] = torch.cat(new, dim=-1).to(entries.dtype)
 
-    def _compressed_keys(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
-                         tables: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's compressed keys [S, N', D] and which of them it may use [S, N'] (HCA: the N visible
-        entries; CSA: the indexer's top-k picks)."""
-        assert self.comp_cache is not None
-        d, m = self.head_dim, self.ratio
+    def _compressed_rows(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
+                         tables: torch.Tensor, entries: torch.Tensor, n: int) -> torch.Tensor:
+        """The entry rows each token attends to [S, N'], -1 for none: HCA every visible entry of the N, CSA the
+        indexer's top-k picks."""
+        m = self.ratio
         layout = CompressedLayout(self.kv_cache.shape[1], m)
-        entries = self.comp_cache.view(-1, self.entry_width)
         ids = torch.arange(n, device=x.device)
         visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [S, N]
         at = layout.entry_rows(tables, seq.unsqueeze(1), ids.unsqueeze(0))  # [S, N]
         if self.indexer is None or n == 0:
-            return entries[at][..., :d], visible
-        picks = self.indexer.select(x, q_resid, pos, entries[at][..., d:], visible)
-        return entries[at.gather(1, picks.clamp(min=0))][..., :d], picks >= 0
+            return torch.where(visible, at, -1)
+        picks = self.indexer.select(x, q_resid, pos, entries[at][..., self.head_dim:], visible)
+        return torch.where(picks >= 0, at.gather(1, picks.clamp(min=0)), -1)
 
 def cache_bytes_per_token(layers: list[DeepseekV4Attention], context_len: int, block_size: int,
                           dtype: torch.dtype, live_only: bool = False) -> float:

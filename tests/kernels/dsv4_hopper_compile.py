@@ -1,0 +1,57 @@
+"""Compile DeepSeek-V4's attention core (``_dsv4_attention_kernel``) for Hopper (sm_90) without a GPU, at the
+dispatcher's config (``hopper_harness.py``): 64 heads of 512 (V4-Flash), a 128-token window and 512 indexer
+picks (CSA) or 1024 visible entries (HCA at 128k), bf16 and a float32 twin, decode and prefill batches.
+
+    TRITON_INTERPRET=0 python tests/kernels/dsv4_hopper_compile.py --json out.json --markdown
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.kernels.hopper_harness import BF16, F32, compile_workloads, run_cli  # noqa: E402
+
+H, D, W = 64, 512, 128
+
+
+def _attend(dtype: torch.dtype, t: int, entries: int) -> None:
+    from tokenfab.kernels import dsv4_attention
+
+    dsv4_attention._dsv4_sparse_attention_triton(
+        torch.empty(t, H, D, dtype=dtype), torch.empty(4096, D + 1024, dtype=dtype),
+        torch.empty(t, W, dtype=torch.int64), torch.empty(2048, D + 128, dtype=dtype),
+        torch.empty(t, entries, dtype=torch.int64), torch.empty(H), D**-0.5)
+
+
+def _workloads() -> list[tuple[str, Callable[[], None]]]:
+    return [
+        ("dsv4 attention bf16 decode T64 CSA top-512", lambda: _attend(BF16, 64, 512)),
+        ("dsv4 attention bf16 prefill T2048 HCA 1024 entries", lambda: _attend(BF16, 2048, 1024)),
+        ("dsv4 attention fp32 decode T8 CSA top-512", lambda: _attend(F32, 8, 512)),
+    ]
+
+
+def kernel_modules() -> list:
+    from tokenfab.kernels import dsv4_attention
+
+    return [dsv4_attention]
+
+
+def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:
+    return compile_workloads(kernel_modules(), _workloads(), only)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(compile_all, __doc__.splitlines()[0], argv, quick=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""DeepSeek-V4's attention core (tokenfab/kernels/dsv4_attention.py) in the interpreter against its reference:
+one token and odd token counts, 4 and 20 heads (a partial head block), head dims 32 and 80 (padded), window and
+entry lists with -1 holes and an empty second list, a token whose only key is masked (all weight on the sink),
+fp32 and bf16; and the compile for sm_90 at V4's sizes (64 heads of 512, window 128, top-512 entries)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.tolerances import assert_close
+from tokenfab.kernels import dsv4_attention as k
+
+CASES = [(1, 4, 32, 6, 3), (7, 20, 80, 9, 0), (19, 4, 32, 17, 33)]
+
+
+def _inputs(t, h, d, la, lb, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + t * 31 + h)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    rows_a = torch.randn(50, d + 8, generator=g).to(dtype)  # wider rows: only the first d values are the key
+    rows_b = torch.randn(40, d + 3, generator=g).to(dtype)
+    idx_a = torch.randint(0, 50, (t, la), generator=g)
+    idx_b = torch.randint(0, 40, (t, lb), generator=g)
+    idx_a[torch.rand(t, la, generator=g) < 0.3] = -1
+    idx_b[torch.rand(t, lb, generator=g) < 0.3] = -1
+    sinks = torch.randn(h, generator=g)
+    return q, rows_a, idx_a, rows_b, idx_b, sinks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,d,la,lb", CASES)
+def test_matches_reference(t, h, d, la, lb, dtype):
+    args = _inputs(t, h, d, la, lb, dtype)
+    scale = d**-0.5
+    assert_close(k._dsv4_sparse_attention_triton(*args, scale), k.dsv4_sparse_attention_ref(*args, scale))
+
+
+def test_no_visible_key_gives_zero():
+    q, rows_a, idx_a, rows_b, idx_b, sinks = _inputs(3, 4, 32, 5, 2, torch.float32)
+    idx_a[1], idx_b[1] = -1, -1
+    out = k._dsv4_sparse_attention_triton(q, rows_a, idx_a, rows_b, idx_b, sinks, 0.2)
+    assert out[1].abs().max() == 0
+    assert_close(out, k.dsv4_sparse_attention_ref(q, rows_a, idx_a, rows_b, idx_b, sinks, 0.2))
+
+
+@pytest.fixture(scope="module", params=[pytest.param([("dsv4_hopper_compile.py", ())], id="sm90")])
+def hopper_runs(request) -> list:
+    return request.param
+
+
+def test_hopper_compile(hopper_batch, hopper_runs):
+    """The kernel compiles for sm_90 at DeepSeek-V4's sizes: no spills, registers and shared memory in budget,
+    tensor-core MMAs for bf16."""
+    from tests.kernels.hopper_harness import H100_MAX_SHARED
+
+    records = hopper_batch(hopper_runs)
+    assert {r["kernel"] for r in records} == {"_dsv4_attention_kernel"}
+    for r in records:
+        assert not r["local"] and not r["stack"], r
+        assert r["shared"] <= H100_MAX_SHARED, r
+        assert r["registers"] * 32 * r["num_warps"] <= 65536, r
+        if "bf16" in r["workload"]:
+            assert r["hmma"] + r["hgmma"] > 0, r

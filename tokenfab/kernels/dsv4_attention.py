@@ -1,0 +1,118 @@
+"""DeepSeek-V4's attention core: each query token's heads over its own list of gathered key rows, with sinks.
+
+``dsv4_sparse_attention(q, rows_a, idx_a, rows_b, idx_b, sinks, scale)``: q [T, H, D]; the keys of token t
+are rows ``idx_a[t]`` of ``rows_a`` (its sliding window in the token-row cache) then rows ``idx_b[t]`` of
+``rows_b`` (its compressed entries: all visible ones for HCA, the indexer's picks for CSA), -1 for none; the
+first D values of a row are both key and value (shared-KV MQA). With a learned sink logit per head:
+
+    o_h = sum_j softmax([q_h . k_j * scale ; sink_h])_j k_j        (the sink's share goes nowhere)
+
+The Triton kernel streams the rows (online softmax, a program per token and block of heads), so the gathered
+keys never exist as a [T, L, D] tensor, as they do in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# isort: off
+# _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
+from tokenfab.kernels._launch import check_device, next_pow2
+import triton
+import triton.language as tl
+# isort: on
+
+from tokenfab.kernels._dispatch import eager_op, kernel_op
+
+
+def dsv4_sparse_attention_ref(q: torch.Tensor, rows_a: torch.Tensor, idx_a: torch.Tensor, rows_b: torch.Tensor,
+                              idx_b: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D]; rows_* [R, >= D]; idx_* [T, L] int64 (-1: no key); sinks [H] -> [T, H, D] in q's dtype."""
+    t, h, d = q.shape
+    keys = torch.cat((rows_a[idx_a.clamp(min=0)][..., :d], rows_b[idx_b.clamp(min=0)][..., :d]), dim=1).to(q.dtype)
+    ok = torch.cat((idx_a >= 0, idx_b >= 0), dim=1)
+    logits = torch.einsum("thd,tld->thl", q, keys).float() * scale
+    logits = logits.masked_fill(~ok.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, h, 1).expand(t, h, 1)
+    probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("thl,tld->thd", probs.to(keys.dtype), keys)
+
+
+@triton.jit
+def _stream_rows(acc, m_i, l_i, q, rows_ptr, stride_r, idx_ptr, L, t, offs_d, d_ok, scale,
+                 BLOCK_L: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold the rows idx[t, :L] into the running (acc, max, sum) of the online softmax."""
+    offs_l = tl.arange(0, BLOCK_L)
+    for l0 in range(0, L, BLOCK_L):
+        ll = l0 + offs_l
+        idx = tl.load(idx_ptr + t.to(tl.int64) * L + ll, mask=ll < L, other=-1)
+        ok = idx >= 0
+        k = tl.load(rows_ptr + tl.where(ok, idx, 0)[:, None] * stride_r + offs_d[None, :],
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PREC) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), k.to(q.dtype), input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _dsv4_attention_kernel(q_ptr, rows_a_ptr, idx_a_ptr, rows_b_ptr, idx_b_ptr, sinks_ptr, out_ptr,
+                           H, D, La, Lb, stride_a, stride_b, scale,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                           DOT_PREC: tl.constexpr):
+    """A program per (token, block of heads): q [T, H, D] contiguous, out likewise."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = offs_h < H, offs_d < D
+    base = t.to(tl.int64) * H * D
+    q = tl.load(q_ptr + base + offs_h[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc, m_i, l_i = _stream_rows(acc, m_i, l_i, q, rows_a_ptr, stride_a, idx_a_ptr, La, t, offs_d, d_ok, scale,
+                                 BLOCK_L, DOT_PREC)
+    acc, m_i, l_i = _stream_rows(acc, m_i, l_i, q, rows_b_ptr, stride_b, idx_b_ptr, Lb, t, offs_d, d_ok, scale,
+                                 BLOCK_L, DOT_PREC)
+    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    m_fin = tl.maximum(m_i, sink)
+    denom = l_i * tl.exp(m_i - m_fin) + tl.exp(sink - m_fin)
+    o = acc * (tl.exp(m_i - m_fin) / denom)[:, None]
+    tl.store(out_ptr + base + offs_h[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+def dsv4_attention_config(h: int, d: int) -> dict:
+    """Launch configuration (also used by the compile check): 16 heads a program, keys in tiles of 16 rows."""
+    block_d = max(16, next_pow2(d))
+    return dict(BLOCK_H=16, BLOCK_D=block_d, BLOCK_L=16, num_warps=4 if block_d <= 128 else 8)
+
+
+def _dsv4_sparse_attention_triton(q: torch.Tensor, rows_a: torch.Tensor, idx_a: torch.Tensor, rows_b: torch.Tensor,
+                                  idx_b: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    check_device(q)
+    t, h, d = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if t == 0:
+        return out
+    if rows_a.stride(-1) != 1 or rows_b.stride(-1) != 1:
+        raise ValueError("dsv4_sparse_attention: key rows must be contiguous along the last dimension")
+    cfg = dsv4_attention_config(h, d)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (t, triton.cdiv(h, cfg["BLOCK_H"]))
+    _dsv4_attention_kernel[grid](q.contiguous(), rows_a, idx_a.contiguous(), rows_b, idx_b.contiguous(),
+                                 sinks.float().contiguous(), out, h, d, idx_a.shape[1], idx_b.shape[1],
+                                 rows_a.stride(0), rows_b.stride(0), scale, DOT_PREC=prec, **cfg)
+    return out
+
+
+dsv4_sparse_attention_op = kernel_op("dsv4_sparse_attention", _dsv4_sparse_attention_triton, dsv4_sparse_attention_ref,
+                                     lambda q, *_: torch.empty_like(q))
+dsv4_sparse_attention = eager_op(dsv4_sparse_attention_op, dsv4_sparse_attention_ref,
+                                 triton_fn=_dsv4_sparse_attention_triton)
