@@ -33,6 +33,7 @@ BENCH_COMMANDS = {
     "cpu": ("tokenfab.bench.cpu", "bundled GGUF vs llama.cpp's llama-bench/batched-bench, transformers, roofline"),
     "lora": ("tokenfab.bench.lora", "16 streams over 8 LoRA adapters vs the base; online TTFT with a batch running"),
     "kv-tier": ("tokenfab.bench.kv_tier", "second-turn TTFT with the KV tier (host memory, disk) vs recompute"),
+    "pd": ("tokenfab.bench.pd", "prefill/decode disaggregation vs one instance: decode ITL p99 under a prompt flood"),
 }
 
 
