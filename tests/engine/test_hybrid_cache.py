@@ -12,6 +12,7 @@ import logging
 import random
 
 import pytest
+import torch
 
 from tests.engine import hybrid_toy
 from tokenfab.engine.llm_engine import LLMEngine
@@ -259,3 +260,22 @@ def test_abort_gives_the_slot_back(toy_dir, flood):
     eng.abort_request("a2")
     assert slots.num_free == 2 and not eng.has_unfinished_requests()
     assert run_all(eng, prompts[3:5]) == expected[3:5]  # the slots the aborted ones dirtied
+
+
+def test_gpu_budget_probe_runs_a_hybrid_forward(toy_dir, monkeypatch):
+    """--gpu-memory-utilization's activation probe (a forward over the largest chunk on a throwaway runner)
+    works for a hybrid model: its sequence has a state slot. The CUDA memory calls are stubbed: the probe's
+    forward runs on the CPU."""
+    from tokenfab.engine.runner import kv_budget
+
+    eng = engine(toy_dir, max_num_batched_tokens=40)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1500)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8000, 10000))
+    budget = kv_budget.cuda_kv_budget(eng.args, torch.device("cpu"), 128, eng._make_runner)
+    assert calls == ["sync", "sync"]
+    assert budget == int(10000 * eng.args.gpu_memory_utilization - 2000 - 500)

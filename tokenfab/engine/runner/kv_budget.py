@@ -62,6 +62,7 @@ def cuda_kv_budget(args: KVBudgetArgs, device: torch.device, max_model_len: int,
     probe = make_runner(args.block_size, -(-n // args.block_size))
     seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1), 0)
     seq.block_table = list(range(probe.num_blocks))
+    seq.state_slot = 0  # a hybrid model's probe runner has state slots too (ignored without recurrent state)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
