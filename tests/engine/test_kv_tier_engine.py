@@ -12,13 +12,14 @@ import random
 import pytest
 import torch
 
+from tests.models.test_deepseek import save_tiny_deepseek
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
 N_CONV, FIRST, NEW, ANSWER = 20, 32, 8, 4
 
 
-def _conversations(engine: LLMEngine):
+def _conversations(engine: LLMEngine, n_conv: int = N_CONV):
     """Both turns of every conversation: (first-turn outputs, second-turn outputs)."""
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
@@ -33,7 +34,7 @@ def _conversations(engine: LLMEngine):
                     done[out.request_id] = list(out.outputs[0].token_ids)
         return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
-    firsts = [[rng.randrange(1, 320) for _ in range(FIRST)] for _ in range(N_CONV)]
+    firsts = [[rng.randrange(1, 320) for _ in range(FIRST)] for _ in range(n_conv)]
     answers = run(firsts, "t1-")
     seconds = [f + a + [rng.randrange(1, 320) for _ in range(NEW)] for f, a in zip(firsts, answers)]
     return answers, run(seconds, "t2-")
@@ -100,6 +101,20 @@ def test_fp8_cache_output_identical_with_the_tier(tiny_llama_dir):
         engine.shutdown()
     assert outs[0] == outs[1]
     assert stats[1].kv_offload_hits_total > 0
+
+
+def test_mla_latent_cache_output_identical_with_the_tier(tmp_path):
+    """DeepSeek-V3's latent cache ([layers, blocks, block_size, latent + rope], block axis 1), over disk."""
+    save_tiny_deepseek(tmp_path / "model")
+    outs, stats = [], []
+    for kw in ({}, {"kv_offload_bytes": 0, "kv_offload_dir": str(tmp_path / "tier")}):
+        engine = _engine(str(tmp_path / "model"), **kw)
+        assert not engine.runner.kv_cache.shape[1] == 2  # the latent layout, not [L, 2, NB, ...]
+        outs.append(_conversations(engine, n_conv=8))
+        stats.append(engine.get_stats())
+        engine.shutdown()
+    assert outs[0] == outs[1]
+    assert stats[1].kv_offload_hits_total > 0 and stats[1].kv_offload_disk_bytes > 0
 
 
 def test_what_the_tier_cannot_serve_is_refused(tiny_llama_dir):
