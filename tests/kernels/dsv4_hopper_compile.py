@@ -1,6 +1,8 @@
-"""Compile DeepSeek-V4's attention core (``_dsv4_attention_kernel``) for Hopper (sm_90) without a GPU, at the
-dispatcher's config (``hopper_harness.py``): 64 heads of 512 (V4-Flash), a 128-token window and 512 indexer
-picks (CSA) or 1024 visible entries (HCA at 128k), bf16 and a float32 twin, decode and prefill batches.
+"""Compile DeepSeek-V4's attention core and indexer (``kernels/dsv4_attention.py``) for sm_90 without a GPU.
+
+At the dispatcher's config (``hopper_harness.py``): 64 heads of 512 (V4-Flash), a 128-token window and 512
+indexer picks (CSA) or 1024 visible entries (HCA at 128k); the indexer's 64 heads of 128 over 32k entries;
+bf16 and a float32 twin, decode and prefill batches.
 
     TRITON_INTERPRET=0 python tests/kernels/dsv4_hopper_compile.py --json out.json --markdown
 """
@@ -31,11 +33,22 @@ def _attend(dtype: torch.dtype, t: int, entries: int) -> None:
         torch.empty(t, entries, dtype=torch.int64), torch.empty(H), D**-0.5)
 
 
+def _index(dtype: torch.dtype, t: int, entries: int) -> None:
+    from tokenfab.kernels import dsv4_attention
+
+    # the scores only: the top-k that follows is dsa_indexer's kernel, compiled by mla_hopper_compile.py
+    dsv4_attention._dsv4_index_scores_triton(
+        torch.empty(t, 64, 128, dtype=dtype), torch.empty(t, 64), torch.empty(8192, D + 128, dtype=dtype),
+        torch.empty(t, entries, dtype=torch.int64), D)
+
+
 def _workloads() -> list[tuple[str, Callable[[], None]]]:
     return [
         ("dsv4 attention bf16 decode T64 CSA top-512", lambda: _attend(BF16, 64, 512)),
         ("dsv4 attention bf16 prefill T2048 HCA 1024 entries", lambda: _attend(BF16, 2048, 1024)),
         ("dsv4 attention fp32 decode T8 CSA top-512", lambda: _attend(F32, 8, 512)),
+        ("dsv4 indexer bf16 decode T64 32k entries (128k context)", lambda: _index(BF16, 64, 32768)),
+        ("dsv4 indexer fp32 decode T8 4k entries", lambda: _index(F32, 8, 4096)),
     ]
 
 

@@ -9,6 +9,15 @@ first D values of a row are both key and value (shared-KV MQA). With a learned s
 
 The Triton kernel streams the rows (online softmax, a program per token and block of heads), so the gathered
 keys never exist as a [T, L, D] tensor, as they do in the reference.
+
+``dsv4_index_topk(q, w, rows, idx, col, topk)``: the lightning indexer over compressed entries. Token t scores
+the entry rows ``idx[t]`` (-1: not visible), whose index key sits at columns ``col:col + d_I``:
+
+    score[t, n] = sum_h w[t, h] * relu(q[t, h] . k_n) / sqrt(d_I)
+
+and keeps the ``topk`` best (``dsa_indexer``'s selection: ties to the lowest n, -1 past the visible ones),
+returning positions into ``idx[t]``. The Triton scores read each entry's key once per token block of heads,
+never a [T, N, d_I] gather.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import eager_op, kernel_op
+from tokenfab.kernels.dsa_indexer import _dsa_topk_triton, select_topk
 
 
 def dsv4_sparse_attention_ref(q: torch.Tensor, rows_a: torch.Tensor, idx_a: torch.Tensor, rows_b: torch.Tensor,
@@ -116,3 +126,81 @@ dsv4_sparse_attention_op = kernel_op("dsv4_sparse_attention", _dsv4_sparse_atten
                                      lambda q, *_: torch.empty_like(q))
 dsv4_sparse_attention = eager_op(dsv4_sparse_attention_op, dsv4_sparse_attention_ref,
                                  triton_fn=_dsv4_sparse_attention_triton)
+
+
+# ============================================================================ the indexer over entries
+
+
+def dsv4_index_scores_ref(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor,
+                          col: int) -> torch.Tensor:
+    """q [T, Hi, di], w [T, Hi] (float32, 1/sqrt(Hi) folded in), rows [R, >= col + di], idx [T, N] -> [T, N]
+    float32 scores, -inf where idx < 0."""
+    di = q.shape[-1]
+    keys = rows[idx.clamp(min=0)][..., col:col + di].float()
+    scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)) * di**-0.5
+    scores = (scores * w.float().unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(idx < 0, float("-inf"))
+
+
+@triton.jit
+def _dsv4_index_kernel(q_ptr, w_ptr, rows_ptr, idx_ptr, out_ptr, HI, DI, N, stride_r, col, scale,
+                       BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """A program per (token, block of N entries): the Hi x BLOCK_N products, ReLU, the weighted head sum."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h, offs_d = tl.arange(0, BLOCK_HI), tl.arange(0, BLOCK_DI)
+    h_ok, d_ok, n_ok = offs_h < HI, offs_d < DI, offs_n < N
+    q = tl.load(q_ptr + t.to(tl.int64) * HI * DI + offs_h[:, None] * DI + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + t.to(tl.int64) * HI + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    idx = tl.load(idx_ptr + t.to(tl.int64) * N + offs_n, mask=n_ok, other=-1)
+    ok = idx >= 0
+    k = tl.load(rows_ptr + tl.where(ok, idx, 0)[:, None] * stride_r + col + offs_d[None, :],
+                mask=ok[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PREC)
+    score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
+    tl.store(out_ptr + t.to(tl.int64) * N + offs_n, tl.where(ok, score, float("-inf")), mask=n_ok)
+
+
+def dsv4_index_config(n_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """16-bit: 32 entries a program, 4 warps; float32 (exact products, unrolled FMAs): 16 entries, 8 warps
+    (fewer registers a thread, no spills at 64 heads of 128)."""
+    fp32 = dtype == torch.float32
+    return dict(BLOCK_HI=max(16, next_pow2(n_heads)), BLOCK_DI=max(16, next_pow2(head_dim)),
+                BLOCK_N=16 if fp32 else 32, num_warps=8 if fp32 else 4)
+
+
+def _dsv4_index_scores_triton(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor,
+                              col: int) -> torch.Tensor:
+    check_device(q)
+    t, hi, di = q.shape
+    n = idx.shape[1]
+    out = torch.empty(t, n, dtype=torch.float32, device=q.device)
+    if t == 0 or n == 0:
+        return out
+    if rows.stride(-1) != 1:
+        raise ValueError("dsv4_index_topk: entry rows must be contiguous along the last dimension")
+    cfg = dsv4_index_config(hi, di, q.dtype)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _dsv4_index_kernel[(t, triton.cdiv(n, cfg["BLOCK_N"]))](
+        q.contiguous(), w.float().contiguous(), rows, idx.contiguous(), out, hi, di, n, rows.stride(0), col,
+        di**-0.5, DOT_PREC=prec, **cfg)
+    return out
+
+
+def dsv4_index_topk_ref(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, col: int,
+                        topk: int) -> torch.Tensor:
+    """[T, topk] int32 positions into each token's ``idx`` row (-1: unused), the selection of ``select_topk``."""
+    return select_topk(dsv4_index_scores_ref(q, w, rows, idx, col), topk)
+
+
+def _dsv4_index_topk_triton(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, col: int,
+                            topk: int) -> torch.Tensor:
+    return _dsa_topk_triton(_dsv4_index_scores_triton(q, w, rows, idx, col), topk)
+
+
+dsv4_index_topk_op = kernel_op("dsv4_index_topk", _dsv4_index_topk_triton, dsv4_index_topk_ref,
+                               lambda q, w, rows, idx, col, topk: idx.new_empty(q.shape[0], topk,
+                                                                                dtype=torch.int32))
+dsv4_index_topk = eager_op(dsv4_index_topk_op, dsv4_index_topk_ref, triton_fn=_dsv4_index_topk_triton)

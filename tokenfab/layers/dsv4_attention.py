@@ -188,10 +188,11 @@ class DeepseekV4Attention(nn.Module):
         ids = torch.arange(n, device=x.device)
         visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [S, N]
         at = layout.entry_rows(tables, seq.unsqueeze(1), ids.unsqueeze(0))  # [S, N]
+        idx = torch.where(visible, at, -1)
         if self.indexer is None or n == 0:
-            return torch.where(visible, at, -1)
-        picks = self.indexer.select(x, q_resid, pos, entries[at][..., self.head_dim:], visible)
-        return torch.where(picks >= 0, at.gather(1, picks.clamp(min=0)), -1)
+            return idx
+        picks = self.indexer.select(x, q_resid, pos, entries, self.head_dim, idx).long()
+        return torch.where(picks >= 0, idx.gather(1, picks.clamp(min=0)), -1)
 
 def cache_bytes_per_token(layers: list[DeepseekV4Attention], context_len: int, block_size: int,
                           dtype: torch.dtype, live_only: bool = False) -> float:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenfab.kernels.dsv4_attention import dsv4_index_topk
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import build_cos_sin_cache
@@ -157,15 +158,12 @@ class LightningIndexer(nn.Module):
         self.compressor = Compressor(hidden_size, head_dim, ratio, True, rope, eps)
         self._rope = (rope,)
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               visible: torch.Tensor) -> torch.Tensor:
-        """keys [T, N, d_I] (each token's sequence's entries), visible [T, N] -> the top-k entry
-        indices [T, k'] (k' = min(topk, N)), -1 where the pick is not visible."""
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor,
+               col: int, idx: torch.Tensor) -> torch.Tensor:
+        """Score the entry rows ``idx`` [T, N] (-1: not visible; the index key at columns ``col``) of
+        ``entries`` -> the top-k positions into ``idx`` [T, topk] int32, -1 where fewer are visible
+        (``kernels.dsv4_attention.dsv4_index_topk``)."""
         t = x.shape[0]
         q = self._rope[0](self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), positions)
-        scores = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys.float())) * self.head_dim**-0.5
         w = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-        k = min(self.topk, keys.shape[1])
-        picks = scores.topk(k, dim=-1).indices
-        return torch.where(visible.gather(1, picks), picks, torch.full_like(picks, -1))
+        return dsv4_index_topk(q, w, entries, idx, col, self.topk)
