@@ -17,13 +17,14 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def make_moe_peft_adapter(base, path: Path, r: int, seed: int, target_parameters: list[str],
                           target_modules: list[str] | None = None, use_rslora: bool = False,
-                          scale: float = 0.3) -> Path:
-    """A PEFT adapter of ``base`` on ``target_parameters`` (and ``target_modules``) with random A and B, saved."""
+                          scale: float = 0.3, **patterns) -> Path:
+    """A PEFT adapter of ``base`` on ``target_parameters`` (and ``target_modules``) with random A and B, saved;
+    ``patterns``: ``rank_pattern`` / ``alpha_pattern``."""
     import peft
 
     cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=target_modules or [],
                           target_parameters=target_parameters, lora_dropout=0.0, use_rslora=use_rslora,
-                          init_lora_weights=False, task_type="CAUSAL_LM")
+                          init_lora_weights=False, task_type="CAUSAL_LM", **patterns)
     model = peft.get_peft_model(copy.deepcopy(base), cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -227,3 +227,22 @@ def test_targets_cross_a_process_boundary_and_check_expert_adapters(moe_setup, t
     router = make_moe_peft_adapter(base, tmp_path / "router", 4, 5, ["mlp.gate.weight"])
     with pytest.raises(ValueError, match="router gate is not supported"):
         check_adapter_files(router, targets, 16)
+
+
+def test_rank_and_alpha_patterns_equal_peft_merged(moe_setup, tmp_path):
+    """PEFT's per-module ranks and alphas (rank_pattern / alpha_pattern) on attention projections and an expert
+    parameter: the shapes are checked at each module's own rank, the scale is each module's alpha over its rank;
+    a pattern rank above --max-lora-rank is refused naming the module."""
+    base_dir, base, _ = moe_setup
+    p = make_moe_peft_adapter(base, tmp_path / "p", 8, 9, ["mlp.experts.down_proj"], ["q_proj", "v_proj", "o_proj"],
+                              rank_pattern={"v_proj": 2, "o_proj": 12, "experts.down_proj": 4},
+                              alpha_pattern={"o_proj": 3, "down_proj": 40})
+    cfg = json.loads((p / "adapter_config.json").read_text())
+    assert cfg["rank_pattern"]["o_proj"] == 12 and cfg["alpha_pattern"]["down_proj"] == 40
+    want = merged_greedy(base, p, PROMPTS[:2], N_NEW)
+    assert want != merged_greedy(base, None, PROMPTS[:2], N_NEW)
+    engine = _engine(base_dir)
+    assert _run(engine, [(PROMPTS[0], LoRARequest("p", 9, str(p))), (PROMPTS[1], LoRARequest("p", 9, str(p)))]) == want
+    small = _engine(base_dir, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"o_proj: LoRA rank 12 \(rank_pattern\) is greater than --max-lora-rank 8"):
+        small.add_request("x", PROMPTS[0], SamplingParams(max_tokens=1), lora_request=LoRARequest("p", 9, str(p)))
