@@ -279,3 +279,22 @@ def test_gpu_budget_probe_runs_a_hybrid_forward(toy_dir, monkeypatch):
     budget = kv_budget.cuda_kv_budget(eng.args, torch.device("cpu"), 128, eng._make_runner)
     assert calls == ["sync", "sync"]
     assert budget == int(10000 * eng.args.gpu_memory_utilization - 2000 - 500)
+
+
+def test_shared_system_prompt_hits_from_the_third_request(toy_dir, flood):
+    """Three prompts over one 3-block system prompt, tails over a block long: the first leaves snapshots only
+    inside its own tail, so the second has cached KV for the system prompt but no snapshot there (no hit); its
+    chunk ends at the system prompt's end, so the third hits all 48 tokens. All equal the reference."""
+    prompts, _ = flood
+    system = list(range(10, 10 + 48))
+    tails = [p for p in prompts if 20 <= len(p) <= 45][:3]
+    batch = [system + t for t in tails]
+    expected = hybrid_toy.reference_greedy(toy_dir, batch, N_TOKENS)
+    eng = engine(toy_dir, max_num_batched_tokens=4096)
+    bm = eng.block_manager
+    got, hits = [], []
+    for p in batch:
+        got.extend(run_all(eng, [p]))
+        hits.append(bm.prefix_hits)
+    assert got == expected
+    assert hits == [0, 0, 48]

@@ -110,3 +110,9 @@ def test_snapshot_index_lru():
 ])
 def test_align_chunk(start, n, num_tokens, want):
     assert StateSnapshots.align_chunk(start, n, num_tokens, 16) == want
+
+
+def test_align_chunk_stops_at_the_end_of_an_unsnapshotted_prefix():
+    assert StateSnapshots.align_chunk(0, 70, 70, 16, cut_at=48) == 48
+    assert StateSnapshots.align_chunk(16, 54, 70, 16, cut_at=48) == 32
+    assert StateSnapshots.align_chunk(48, 22, 70, 16, cut_at=48) == 16  # past it: the usual rule (last block)

@@ -167,7 +167,9 @@ class BlockManager:
 
     def _snapshot_hit(self, seq: Sequence, hashes: list[bytes], hit: int) -> int:
         """Hybrid models: the hit cut back to its longest prefix whose last block has a recurrent-state
-        snapshot, the blocks past it given back; the snapshot's row goes to ``seq.state_restore_row``."""
+        snapshot, the blocks past it given back; the snapshot's row goes to ``seq.state_restore_row``. When
+        blocks were given back, the end of the cached prefix (where this prompt parts from an earlier one)
+        goes to ``seq.state_cut_at``: a chunk ends there, so a snapshot is saved there for the next one."""
         keep, row = hit, None
         while keep and row is None:
             row = self.state_snapshots.lookup(hashes[keep - 1])
@@ -178,6 +180,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
         del seq.block_table[keep:]
+        seq.state_cut_at = hit * self.block_size if keep < hit else 0
         if row is not None:
             seq.state_restore_row = row
             self.state_snapshots.restored += 1
@@ -187,7 +190,8 @@ class BlockManager:
         """``n`` new tokens, cut to end on a block boundary under hybrid prefix caching (else ``n``)."""
         if self.state_snapshots is None:
             return n
-        return self.state_snapshots.align_chunk(seq.num_computed_tokens, n, seq.num_tokens, self.block_size)
+        return self.state_snapshots.align_chunk(seq.num_computed_tokens, n, seq.num_tokens, self.block_size,
+                                                seq.state_cut_at)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks that became full with computed tokens."""
@@ -329,6 +333,7 @@ class BlockManager:
         if self.state_slots is not None:
             self.state_slots.free(seq)
             seq.state_restore_row = -1
+            seq.state_cut_at = 0
 
     def reset_prefix_cache(self) -> None:
         if self.connector is not None:

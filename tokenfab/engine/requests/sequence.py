@@ -56,6 +56,9 @@ class Sequence:
         self.state_slot = -1
         # hybrid prefix caching: the snapshot row to copy into the slot before the first chunk (-1: none)
         self.state_restore_row = -1
+        # and the end of its cached KV prefix when no snapshot reached it: a chunk ends there once, so its
+        # state there is saved and the next prompt sharing that prefix hits it (0: none)
+        self.state_cut_at = 0
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks, in order
         self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission

@@ -9,9 +9,11 @@ is cut back to the longest run of cached blocks whose last block has a snapshot,
 into the new sequence's slot before its first chunk runs.
 
 A step ends on a block boundary only if its chunk does, so for these models prefill chunks are cut at block
-boundaries (``align_chunk``): every chunk but the last ends on one, and the last full block of a prompt ends
-a chunk of its own. The copy is made when the sequence's next chunk is prepared (the slot then holds exactly
-the state after the boundary); decodes reach a boundary every ``block_size`` tokens the same way.
+boundaries (``align_chunk``): every chunk but the last ends on one, the last full block of a prompt ends a
+chunk of its own, and so does the end of a cached prefix that had no snapshot (where this prompt parts from
+an earlier one: a shared system prompt), so the next prompt that shares it hits. The copy is made when the
+sequence's next chunk is prepared (the slot then holds exactly the state after the boundary); decodes reach
+a boundary every ``block_size`` tokens the same way.
 
 This class is the host-side index: ``capacity`` snapshot rows, least recently used reused first. The device
 tensors and the copies belong to the model runner (``runner/state_cache.py``).
@@ -61,12 +63,15 @@ class StateSnapshots:
         self._free = list(range(self.capacity - 1, -1, -1))
 
     @staticmethod
-    def align_chunk(start: int, n: int, num_tokens: int, block_size: int) -> int:
+    def align_chunk(start: int, n: int, num_tokens: int, block_size: int, cut_at: int = 0) -> int:
         """The chunk length to schedule instead of ``n`` for a sequence with ``start`` computed tokens out
-        of ``num_tokens``: a chunk that stops short of the last token ends on a block boundary when it
-        crosses one; a chunk that reaches the last token first stops at the last boundary before it (its
-        snapshot serves the longest hit a repeat of this prompt can have). Never below 1."""
+        of ``num_tokens``: a chunk that crosses ``cut_at`` (the end of a cached prefix that had no snapshot)
+        stops there; a chunk that stops short of the last token ends on a block boundary when it crosses
+        one; a chunk that reaches the last token first stops at the last boundary before it (its snapshot
+        serves the longest hit a repeat of this prompt can have). Never below 1."""
         end = start + n
+        if start < cut_at < end:
+            return cut_at - start
         if end >= num_tokens:
             last = (num_tokens - 1) // block_size * block_size
             if start < last < end:
