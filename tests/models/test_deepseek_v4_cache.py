@@ -22,7 +22,7 @@ def _v4_layers() -> tuple[object, list[DeepseekV4Attention]]:
 
     config = transformers.DeepseekV4Config()
     with torch.device("meta"):
-        return config, [DeepseekV4Attention(config, t, 4096) for t in config.layer_types]
+        return config, [DeepseekV4Attention(config, t) for t in config.layer_types]
 
 
 def _v3_bytes() -> int:
@@ -39,6 +39,8 @@ def test_kv_bytes_per_token_at_128k_against_deepseek_v3():
     n_csa = config.layer_types.count("compressed_sparse_attention")
     n_hca = config.layer_types.count("heavily_compressed_attention")
     assert (n_csa, n_hca, len(layers)) == (20, 23, 43)
+    # no [max_position, rope] table per layer (V4 runs to 1M tokens): RoPE angles come from the positions
+    assert all(sum(b.numel() for b in a.buffers()) == config.qk_rope_head_dim // 2 for a in layers)
     d, di, w = config.head_dim, config.index_head_dim, config.sliding_window
     v3 = _v3_bytes()
     assert v3 == 61 * (512 + 64) * 2  # MLA: latent + rope key, bf16

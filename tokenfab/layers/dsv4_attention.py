@@ -57,7 +57,7 @@ def v4_rope_parameters(config: Any, kind: str) -> dict:
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, config: Any, layer_type: str, max_position: int) -> None:
+    def __init__(self, config: Any, layer_type: str) -> None:
         super().__init__()
         if layer_type not in (SLIDING, CSA, HCA):
             raise ValueError(f"unknown DeepSeek-V4 layer type {layer_type!r}")
@@ -75,7 +75,7 @@ class DeepseekV4Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(h, dtype=torch.float32), requires_grad=False)
         rope_dim = int(d * config.partial_rotary_factor)
         params = v4_rope_parameters(config, "main" if layer_type == SLIDING else "compress")
-        self.rotary = InterleavedRope(rope_dim, max_position, params, config.max_position_embeddings)
+        self.rotary = InterleavedRope(rope_dim, params, config.max_position_embeddings)
         self.ratio = 0 if layer_type == SLIDING else config.compress_rates[layer_type]
         self.compressor: Compressor | None = None
         self.indexer: LightningIndexer | None = None

@@ -33,21 +33,34 @@ from torch import nn
 from tokenfab.kernels.dsv4_attention import dsv4_index_topk
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.layers.rotary import build_cos_sin_cache
+from tokenfab.layers.rotary import _llama3_inv_freq, _yarn_inv_freq
 
 
 class InterleavedRope(nn.Module):
-    """RoPE on the trailing ``rotary_dim`` channels, consecutive channel pairs (DeepSeek-V4's layout)."""
+    """RoPE on the trailing ``rotary_dim`` channels, consecutive channel pairs (DeepSeek-V4's layout). cos/sin
+    are computed from the positions (no [max_position, rotary_dim] table: V4 runs to 1M tokens)."""
 
-    def __init__(self, rotary_dim: int, max_position: int, params: dict, max_position_embeddings: int) -> None:
+    def __init__(self, rotary_dim: int, params: dict, max_position_embeddings: int) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        cache = build_cos_sin_cache(rotary_dim, max_position, params, max_position_embeddings)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        base = float(params["rope_theta"])
+        rope_type = params.get("rope_type", "default")
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.scale = 1.0
+        if rope_type == "yarn":
+            inv_freq, self.scale = _yarn_inv_freq(rotary_dim, base, params, max_position_embeddings)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params, max_position_embeddings)
+        elif rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [N, ..., d] rotated at positions [N] (``inverse``: by -angle)."""
-        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
         shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if inverse:

@@ -102,10 +102,10 @@ class DeepseekV4MoE(FusedMoE):
 class DeepseekV4Block(nn.Module):
     """One decoder layer on the hc_mult streams."""
 
-    def __init__(self, config: Any, i: int, max_position: int) -> None:
+    def __init__(self, config: Any, i: int) -> None:
         super().__init__()
         hc = (config.hidden_size, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.attn = DeepseekV4Attention(config, config.layer_types[i], max_position)
+        self.attn = DeepseekV4Attention(config, config.layer_types[i])
         self.ffn = DeepseekV4MoE(config, hashed=config.mlp_layer_types[i] == "hash_moe")
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -137,9 +137,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: Any, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
-        max_position = max_position or config.max_position_embeddings
+        # max_position (the loader's): unused, RoPE angles are computed from the positions (no table)
         self.embed = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4Block(config, i, max_position)
+        self.layers = nn.ModuleList(DeepseekV4Block(config, i)
                                     for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
