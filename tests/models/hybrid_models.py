@@ -1,6 +1,6 @@
 """Tiny random-weight Qwen3-Next / Qwen3.5 checkpoints in their official layouts, and a small driver that runs
-our model on hand-built flat batches with its recurrent state slots bound (what the model runner does),
-for comparing against transformers.
+our model on hand-built flat batches with its recurrent state slots bound by the model runner, for comparing
+against transformers.
 
 Layouts written (``save_tiny_hybrid``): ``save_pretrained`` of the transformers model (per-expert MoE tensors
 for the text classes; the VL wrappers with ``text_config``, ``model.language_model.*`` and a vision tower),
@@ -10,7 +10,6 @@ and for Qwen3.5-MoE's wrapper the released form with stacked experts (``mlp.expe
 
 from __future__ import annotations
 
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,9 +106,9 @@ class Seq:
 
 
 class HybridDriver:
-    """Our model (``load_model``) behind a ModelRunner (paged KV cache for the attention layers) with each
-    Gated DeltaNet layer's state tensors allocated and bound here ([num_slots, *spec], zeros), stepping
-    hand-built ForwardBatches: chunks of any length per sequence, mixed in one step."""
+    """Our model (``load_model``) behind a ModelRunner (paged KV cache for the attention layers, state slots for
+    the Gated DeltaNet layers), stepping hand-built ForwardBatches: chunks of any length per sequence, mixed
+    in one step, each sequence on the state slot the test gives it (so tests choose when slots are reused)."""
 
     BLOCK = 4
     BLOCKS_PER_SEQ = 32
@@ -119,15 +118,9 @@ class HybridDriver:
         from tokenfab.loader.model_loader import load_model
 
         self.model = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False).model
-        # the runner binds the state tensors where it knows how (the hybrid-cache engine); else we do
-        kw = {"num_state_slots": num_slots} if "num_state_slots" in inspect.signature(ModelRunner).parameters else {}
+        # the runner binds each Gated DeltaNet layer's state tensors ([num_slots + 1 scratch, *spec], zeros)
         self.runner = ModelRunner(self.model, torch.device("cpu"), torch.float32, self.BLOCK,
-                                  self.BLOCKS_PER_SEQ * num_slots, **kw)
-        self.state_layers = [m for m in self.model.modules() if hasattr(m, "recurrent_state_spec")]
-        if not kw:
-            for m in self.state_layers:
-                for name, (shape, dtype) in m.recurrent_state_spec().items():
-                    setattr(m, name, torch.zeros(num_slots, *shape, dtype=dtype))
+                                  self.BLOCKS_PER_SEQ * num_slots, num_state_slots=num_slots)
         self.num_slots = num_slots
 
     def new_seq(self, prompt: list[int], slot: int) -> Seq:
@@ -153,9 +146,8 @@ class HybridDriver:
             block_tables=torch.tensor([s.blocks for s, _ in work], dtype=torch.int32),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), context_lens=torch.tensor(ctx, dtype=torch.int32),
             logits_indices=torch.tensor(cu[1:]) - 1, max_query_len=max(n for _, n in work),
-            max_context_len=max(ctx),
+            max_context_len=max(ctx), state_slots=torch.tensor([s.slot for s, _ in work], dtype=torch.int32),
         )
-        batch.state_slots = torch.tensor([s.slot for s, _ in work], dtype=torch.int32)
         logits = self.runner.execute(batch)
         for row, (seq, n) in enumerate(work):
             seq.computed += n
