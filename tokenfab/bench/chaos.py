@@ -32,12 +32,15 @@ from tokenfab.bench.common import git_commit, load_average, machine, write_json
 from tokenfab.bench.fleet import _free_port, _router_cmd, _wait
 
 # The router's defaults would send traffic to a dead instance for minutes (a health check a minute, 3 failures to
-# mark a worker down; a circuit breaker that, once open, stays open 60 s even after the instance is back). Here:
-# check every second, mark a worker down at the first failure and up at the first success, retry what fails on
-# another worker, and no circuit breaker (the 1 s health check does its work: a dead engine answers /health 503).
+# mark a worker down; a circuit breaker that, once open, stayed open 60 s after the instance was back). Here: check
+# every second, mark a worker down at the first failure and up at the first success, no circuit breaker (the 1 s
+# health check does its work: a dead engine answers /health 503), and retries spread over ~5 s (backoff 0.2, 0.4,
+# 0.8, 1.6, 2 s): a worker that refuses connections and is still marked healthy is retried past the next health check,
+# so the router ends on a healthy worker or its own 503, where 3 quick tries ended on its 500 "Request failed: error
+# sending request" (docs/fleet.md).
 ROUTER_ARGS = ("--health-check-interval-secs 1 --health-failure-threshold 1 --health-success-threshold 1 "
-               "--health-check-timeout-secs 2 --retry-max-retries 3 --retry-initial-backoff-ms 200 "
-               "--retry-max-backoff-ms 2000 --disable-circuit-breaker")
+               "--health-check-timeout-secs 2 --retry-max-retries 6 --retry-initial-backoff-ms 200 "
+               "--retry-backoff-multiplier 2 --retry-max-backoff-ms 2000 --disable-circuit-breaker")
 
 CONFIG_KEYS = ("instances", "duration", "streams", "kill_interval", "kill_kinds", "max_num_seqs", "cpu_threads",
                "num_kv_blocks", "router", "policy", "router_args", "seed")
