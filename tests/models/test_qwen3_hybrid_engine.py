@@ -62,3 +62,15 @@ def test_engine_mixed_arrivals_match_transformers(tiny):
     tokens, logprobs, batches = run_batch(engine, prompts, STEPS, arrivals)
     assert {"mixed", "chunked", "decodes"} <= paths_reached(batches, 16)
     assert_batch_matches_hf(hf, prompts, tokens, logprobs)
+
+
+def test_decode_graph_padding_rows(tiny):
+    """The decode-graph path (run eagerly on a CPU) pads a decode batch with rows on the scratch slot (their
+    position 0 makes them "fresh": the sync-free reset writes only the scratch row); the real rows' tokens
+    stay transformers'."""
+    hf, path = tiny
+    engine = LLMEngine(model=str(path), **ENGINE)
+    engine.runner.capture_decode_graphs(max_batch=8, max_model_len=128)
+    prompts = PROMPTS[1:]  # 3 sequences: decode batches of 3 padded to a captured size
+    tokens, logprobs, _ = run_batch(engine, prompts, STEPS)
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)
