@@ -3,7 +3,11 @@ sampling are retried one sequence (one row) at a time when they raise, and the o
 again are reported, not raised. A device error (``is_device_fatal``) or ``EngineDeadError`` still
 raises: nothing can be served after it.
 
-Retrying a forward alone is harmless: it rewrites the same K/V into the same slots. Retrying a
+Retrying a forward alone is harmless: it rewrites the same K/V into the same slots. A model with
+per-sequence recurrent state (the hybrid cache) is the exception: the failed forward may already have
+advanced some layers' states, so applying the chunk again would count it twice. Such a sequence is
+retried from position 0 instead (its whole context recomputed alone: a fresh state, the same K/V
+rewritten), which gives the logits of an unfailed step. Retrying a
 sampling row alone draws the same token: ``sample_next`` leaves the logits untouched and a row's
 draws depend only on its seed and position (``runner/sampler.py``).
 """
@@ -46,7 +50,7 @@ def isolated_forward(
     for i, (seq, n) in enumerate(zip(seqs, counts)):
         try:
             rows = None if prompt_rows is None else [prompt_rows[i]]
-            lg, hd = execute(runner.prepare([seq], [n], [sample_mask[i]], rows), [seq], [n])
+            lg, hd = _forward_alone(runner, execute, seq, n, sample_mask[i], rows)
         except EngineDeadError:
             raise
         except Exception as e:
@@ -57,6 +61,21 @@ def isolated_forward(
         if hd is not None:
             hidden.append(hd)
     return (torch.cat(logits) if logits else None), (torch.cat(hidden) if hidden else None)
+
+
+def _forward_alone(runner: ModelRunner, execute: Execute, seq: Sequence, n: int, sample: bool,
+                   rows: list[tuple[int, int]] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence's step alone; with recurrent state, from position 0 (see the module docstring)."""
+    if not runner.state_caches:
+        return execute(runner.prepare([seq], [n], [sample], rows), [seq], [n])
+    start = seq.num_computed_tokens
+    if rows is not None:  # prompt rows are offsets inside the chunk, which now begins at position 0
+        rows = [(a + start, b + start) for a, b in rows]
+    seq.num_computed_tokens = 0
+    try:
+        return execute(runner.prepare([seq], [start + n], [sample], rows), [seq], [start + n])
+    finally:
+        seq.num_computed_tokens = start
 
 
 def isolated_sample(logits: torch.Tensor | None, seqs: list[Sequence], eos_token_ids: list[int]) -> list[tuple | str]:
