@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--blame-window", type=float, default=3.0,
                    help="a dropped stream that ended this many seconds after a server kill is counted as its doing")
-    p.add_argument("--recovery-timeout", type=float, default=180.0,
+    p.add_argument("--recovery-timeout", type=float, default=600.0,
                    help="after the load, wait this long for the last recoveries")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for the instances' and the router's logs")
