@@ -241,3 +241,17 @@ def test_missing_or_misshapen_tensor_is_a_clear_error(tmp_path):
     save_file(good, str(file), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="in_proj_qkvz.weight has shape"):
         HybridDriver(tmp_path, num_slots=1)
+
+
+def test_quantized_qwen3_next_projections_are_refused(tmp_path):
+    """Qwen3-Next's fused in_proj_qkvz / in_proj_ba rows are reordered at load; a quantized layer in their
+    place would take them in the checkpoint's order, so such a checkpoint is refused by name."""
+    from torch import nn
+
+    save_tiny_hybrid("qwen3_next", tmp_path)
+    model = HybridDriver(tmp_path, num_slots=1).model
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight_scale_inv"
+    assert model.remap_checkpoint_name(name) == name  # the plain layer: accepted
+    model.model.layers[0].linear_attn.in_proj_qkvz = nn.Identity()  # stands in for a quantized layer
+    with pytest.raises(ValueError, match="quantized Qwen3-Next Gated DeltaNet projections"):
+        model.remap_checkpoint_name(name)

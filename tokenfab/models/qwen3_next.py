@@ -134,7 +134,21 @@ class HybridCausalLM(MoECausalLM):
     def remap_checkpoint_name(self, name: str) -> str | None:
         if name.startswith("mtp."):  # the multi-token-prediction layer: not used (module docstring)
             return None
+        for key in (".linear_attn.in_proj_qkvz.", ".linear_attn.in_proj_ba."):
+            if key in name:
+                self._check_plain_projection(name, name[: name.index(key) + len(key) - 1])
         return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+
+    def _check_plain_projection(self, name: str, module_path: str) -> None:
+        """Qwen3-Next's fused projections are reordered row by row at load (``load_checkpoint_tensor``); a
+        quantized layer would take them (and their scales) in the checkpoint's grouped order: refused."""
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:  # no such layer: the loader reports the tensor as unused
+            return
+        if type(module) is not MergedLinear:
+            raise ValueError(f"{name}: quantized Qwen3-Next Gated DeltaNet projections (in_proj_qkvz / in_proj_ba, "
+                             "rows grouped per key head) are not supported yet; use the unquantized checkpoint")
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
         if is_zero_centred_norm(name):
