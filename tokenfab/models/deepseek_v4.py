@@ -84,6 +84,9 @@ class DeepseekV4MoE(FusedMoE):
             scores = logits.softmax(dim=-1)
         if self.hashed:
             assert self._input_ids is not None and self.tid2eid is not None
+            if self._input_ids.shape[0] != x.shape[0]:  # expert parallel under TP routes a slice of the tokens
+                raise NotImplementedError("hash-routed MoE layers need every token's id: expert parallelism with "
+                                          "tensor parallelism is not supported for DeepSeek-V4")
             ids = self.tid2eid[self._input_ids]
         else:
             ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
