@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.hybrid_models import FAMILIES, HybridDriver, save_tiny_hybrid, tiny_hybrid_config
+from tests.models.hybrid_models import FAMILIES, WRAPPERS, HybridDriver, save_tiny_hybrid, tiny_hybrid_config
 from tests.tiny_models import hf_logits, randomize_
 from tokenfab.layers.gated_deltanet import GatedDeltaNet
 from tokenfab.layers.moe import FusedMoE
@@ -48,11 +48,16 @@ def _assert_matches_hf(hf, seq, prompt_len: int, what: str) -> None:
             assert seq.tokens[pos + 1] == int(ref[pos].argmax()), f"{what}, step {s}"
 
 
-def test_model_structure(tiny):
+def test_model_structure(tiny, caplog):
     """3 Gated DeltaNet layers then a gated-attention one; MoE where the family has it (Qwen3-Next: layer 1
-    dense by mlp_only_layers); the VL wrappers load no vision weights."""
+    dense by mlp_only_layers); the VL wrappers load no vision weights, and say so."""
     family, _, path = tiny
-    model = HybridDriver(path, num_slots=1).model
+    with caplog.at_level("WARNING", logger="tokenfab.models.qwen3_5"):
+        model = HybridDriver(path, num_slots=1).model
+    said = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(said) == (1 if family in WRAPPERS else 0), said
+    if said:
+        assert "text only" in said[0]
     layers = model.model.layers
     assert [type(getattr(x, "linear_attn", None) or x.self_attn) for x in layers] == [GatedDeltaNet] * 3 + [
         GatedAttention]
