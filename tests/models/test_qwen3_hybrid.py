@@ -260,3 +260,32 @@ def test_quantized_qwen3_next_projections_are_refused(tmp_path):
     model.model.layers[0].linear_attn.in_proj_qkvz = nn.Identity()  # stands in for a quantized layer
     with pytest.raises(ValueError, match="quantized Qwen3-Next Gated DeltaNet projections"):
         model.remap_checkpoint_name(name)
+
+
+@pytest.mark.parametrize("arch, config_cls", [
+    ("Qwen3NextForCausalLM", "Qwen3NextConfig"), ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+    ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"), ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config"),
+    ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeConfig"),
+])
+def test_full_size_configs_build_with_transformers_parameter_count(arch, config_cls):
+    """transformers' default configs (the released sizes: Qwen3-Next-80B-A3B, Qwen3.5 dense and 35B-A3B), built on
+    the meta device: our model holds exactly as many parameters as transformers' text model, and the Gated
+    DeltaNet state spec has the released shapes."""
+    import transformers
+
+    from tokenfab.models.registry import resolve_model_class
+
+    config = getattr(transformers, config_cls)()
+    with torch.device("meta"):
+        ours = resolve_model_class(arch)(config, max_position=4096)
+        auto = transformers.AutoModelForImageTextToText if "Conditional" in arch else transformers.AutoModelForCausalLM
+        hf = auto.from_config(config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(
+        p.numel() for n, p in hf.named_parameters() if "visual" not in n)
+    text = config.get_text_config()
+    spec = next(m for m in ours.modules() if isinstance(m, GatedDeltaNet)).recurrent_state_spec()
+    conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * \
+        text.linear_value_head_dim
+    assert spec["conv_state"][0] == (conv_dim, text.linear_conv_kernel_dim - 1)
+    assert spec["ssm_state"] == ((text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim),
+                                 torch.float32)
