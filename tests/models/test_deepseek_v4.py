@@ -198,3 +198,28 @@ def test_request_flood_with_preemption_and_reused_blocks(tiny):
     assert engine.get_stats().num_preemptions_total > 0
     assert_batch_matches_hf(hf, prompts, tokens, logprobs)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_decode_through_the_graph_batch(tiny):
+    """The CUDA-graph decode path, as far as a CPU runs it: decode steps go through ``DecodeGraphs`` (the batch
+    padded to a captured size with rows of slot -1, context 1 and block 0, max_context_len the model's length;
+    on CPU the static batch runs eagerly), whose windows close without a host sync (every token pooled, the
+    closing ones stored). The class keeps ``supports_cuda_graphs = False`` until a GPU has run it."""
+    hf, path, _ = tiny
+    engine = _engine(path)
+    engine.runner.model.supports_cuda_graphs = True
+    engine.runner.capture_decode_graphs(4, engine.max_model_len)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    replays = []
+    orig = graphs.replay
+
+    def spy(batch, n):
+        replays.append((batch.num_seqs, n))
+        return orig(batch, n)
+
+    graphs.replay = spy
+    prompts = BATCH_PROMPTS[:3]
+    tokens, logprobs, _ = run_batch(engine, prompts, 6)
+    assert (3, 4) in replays  # three sequences decoding, padded to the captured size 4
+    assert_batch_matches_hf(hf, prompts, tokens, logprobs)

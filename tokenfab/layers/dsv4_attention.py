@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tokenfab.forward_batch import ForwardBatch
+from tokenfab.kernels import store_latent
 from tokenfab.kernels.dsv4_attention import dsv4_sparse_attention
 from tokenfab.layers.dsv4_compressor import (
     CompressedLayout,
@@ -135,8 +136,8 @@ class DeepseekV4Attention(nn.Module):
         kv = self.rotary(self.norm(self.wkv(x)), pos)
         rows = self.kv_cache.view(-1, self.token_width)
         new = torch.cat([kv] + [c.token_rows(x, pos) for c in self._compressors()], dim=-1)
-        keep = batch.slot_mapping >= 0  # padded rows (-1) write nothing
-        rows[batch.slot_mapping[keep]] = new[keep].to(rows.dtype)
+        half = self.token_width // 2  # store_latent writes [a ; b] rows; slot -1 (padding) skipped, no host sync
+        store_latent(new[:, :half].to(rows.dtype), new[:, half:].to(rows.dtype), self.kv_cache, batch.slot_mapping)
         if self.ratio:
             self._close_windows(batch, seq_of_token, rows)
         n = batch.max_context_len // self.ratio if self.ratio else 0
@@ -166,18 +167,24 @@ class DeepseekV4Attention(nn.Module):
         return self.rotary(o, pos, inverse=True)
 
     def _close_windows(self, batch: ForwardBatch, seq_of_token: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write the entries of the windows whose last token is in this step into ``comp_cache``."""
+        """Write the entries of the windows whose last token is in this step into ``comp_cache`` (decode steps:
+        every token pooled, the closing ones stored, so that no step syncs with the host)."""
         assert self.comp_cache is not None and self.compressor is not None
         d, pos, tables = self.head_dim, batch.positions, batch.block_tables
         layout = CompressedLayout(self.kv_cache.shape[1], self.ratio)
-        seq, window, main = close_windows(self.compressor, rows, layout, tables, seq_of_token, pos, d)
+        every = batch.max_query_len == 1
+        seq, window, main, closing = close_windows(self.compressor, rows, layout, tables, seq_of_token, pos, d, every)
         new = [main]
         if self.indexer is not None:
             offset = d + self.compressor.row_width
-            new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset)[2])
+            new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset,
+                                     every)[2])
         if window.numel():
-            entries = self.comp_cache.view(-1, self.entry_width)
-            entries[layout.entry_rows(tables, seq, window)] = torch.cat(new, dim=-1).to(entries.dtype)
+            last = pos if every else (window + 1) * self.ratio - 1
+            where = layout.closing_entry_rows(tables, seq, window, closing, last)
+            entry = torch.cat(new, dim=-1).to(self.comp_cache.dtype)
+            half = self.entry_width // 2
+            store_latent(entry[:, :half], entry[:, half:], self.comp_cache.view(-1, 1, self.entry_width), where)
 
     def _compressed_rows(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor,
                          tables: torch.Tensor, entries: torch.Tensor, n: int) -> torch.Tensor:

@@ -100,6 +100,15 @@ class CompressedLayout:
         bs = self.block_size
         return tables[seq, end // bs].long() * self.rows_per_block + (end % bs) // self.ratio
 
+    def closing_entry_rows(self, tables: torch.Tensor, seq: torch.Tensor, window: torch.Tensor,
+                           closing: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``entry_rows`` where ``closing``, else -1 (a store skips it); ``last``: each row's token position,
+        indexed instead where not closing so no lookup runs past a sequence's blocks."""
+        end = torch.where(closing, (window + 1) * self.ratio - 1, last)
+        bs = self.block_size
+        rows = tables[seq, end // bs].long() * self.rows_per_block + (end % bs) // self.ratio
+        return torch.where(closing, rows, -1)
+
 
 class Compressor(nn.Module):
     """One compressed series at ``head_dim`` (``overlap``: CSA's two-series windows)."""
@@ -142,23 +151,27 @@ class Compressor(nn.Module):
 
 
 def close_windows(comp: Compressor, rows: torch.Tensor, layout: CompressedLayout, batch_tables: torch.Tensor,
-                  seq_of_token: torch.Tensor, positions: torch.Tensor, row_offset: int) -> tuple:
-    """The windows whose last token is in this step: (seq [W], window [W], entries [W, d]) computed from the
-    token rows ``rows`` [num_slots, width] (columns ``row_offset`` onward hold ``comp``'s C and Z)."""
+                  seq_of_token: torch.Tensor, positions: torch.Tensor, row_offset: int,
+                  every_token: bool = False) -> tuple:
+    """The windows whose last token is in this step: (seq [W], window [W], entries [W, d], closing [W]) computed
+    from the token rows ``rows`` [num_slots, width] (columns ``row_offset`` onward hold ``comp``'s C and Z).
+    ``every_token`` (decode steps: no host sync, for CUDA graphs): one row per token, ``closing`` telling which
+    are real (the others pooled from rows up to the token, never stored)."""
     m = layout.ratio
-    ends = torch.nonzero((positions + 1) % m == 0).flatten()
-    seq, window = seq_of_token[ends], positions[ends] // m
-    if ends.numel() == 0:
-        return seq, window, rows.new_zeros(0, comp.head_dim)
+    closing = (positions + 1) % m == 0
+    ends = torch.arange(positions.shape[0], device=positions.device) if every_token else closing.nonzero().flatten()
+    seq, window, last = seq_of_token[ends], positions[ends] // m, positions[ends]
+    if not every_token and ends.numel() == 0:
+        return seq, window, rows.new_zeros(0, comp.head_dim), closing[ends]
     span = torch.arange(m, device=positions.device)
     cols = slice(row_offset, row_offset + comp.row_width)
-    start = (window * m).unsqueeze(1) + span  # [W, m]
+    start = torch.minimum((window * m).unsqueeze(1) + span, last.unsqueeze(1))  # [W, m], never past the token
     cur = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), start)][..., cols]
     prev = None
     if comp.overlap:
         prev_pos = (start - m).clamp(min=0)
         prev = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), prev_pos)][..., cols]
-    return seq, window, comp.compress(cur, prev, window)
+    return seq, window, comp.compress(cur, prev, window), closing[ends]
 
 
 class LightningIndexer(nn.Module):
