@@ -57,6 +57,8 @@ def test_config_takes_vllms_shape():
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_prot": 1}', "unknown keys ['kv_prot']"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": "1"}', "kv_port must be an integer"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": 70000}', "kv_port must be"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_ip": "prefill-0.local"}',
+     "kv_ip must be an IP address"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_size": -1}', "kv_buffer_size"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_load_failure_policy": "fail"}',
      "kv_load_failure_policy must be one of"),

@@ -69,9 +69,9 @@ class NixlTransport:
         """Copy the peer's staged rows ``remote_slots`` into ours ``local_slots``; the peer hears which of its
         slots were read once the data is here. Raises TransferError when it does not complete in time."""
         deadline = time.monotonic() + timeout_s
-        self._connect(peer, host, port, deadline)
         handle = None
         try:
+            self._connect(peer, host, port, deadline)
             notif = RELEASE + ",".join(str(s) for s in remote_slots).encode()
             handle = self.agent.initialize_xfer("READ", self._descs(self.base, local_slots),
                                                 self._descs(remote_base, remote_slots), peer, notif)

@@ -10,6 +10,7 @@
   ``kv_both`` does either, per request (the request's ``kv_transfer_params`` say which).
 - ``kv_ip``/``kv_port``: where this instance's transfer agent listens (its NIXL side channel), and the address it
   advertises to the peer in ``kv_transfer_params`` (``remote_host``/``remote_port``). Each instance has its own.
+  An IP address: NIXL does not resolve host names.
 - ``kv_buffer_size``: bytes of host staging memory registered with the transport (vLLM's default 1e9): a producer
   keeps a finished prompt's blocks there until the consumer has read them, a consumer reads them into its own.
 - ``kv_connector_extra_config``: ``transfer_timeout_s`` (default 10: a read not done by then is given up and the
@@ -20,6 +21,7 @@ Unknown keys, wrong types and unknown values are start-up errors (``ValueError``
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -103,8 +105,10 @@ class KVTransferConfig:
         _check_int(raw, "kv_rank", 0, 1 << 20, optional=True)
         _check_int(raw, "kv_parallel_size", 1, 1 << 20)
         _check_int(raw, "kv_port", 1, 65535)
-        if not isinstance(raw.get("kv_ip", "127.0.0.1"), str) or not raw.get("kv_ip", "x"):
-            raise ValueError(_flag(f"kv_ip must be a host name or address, got {raw.get('kv_ip')!r}"))
+        try:  # NIXL's side channel takes an address (inet_pton), not a host name
+            ipaddress.ip_address(raw.get("kv_ip", "127.0.0.1"))
+        except ValueError:
+            raise ValueError(_flag(f"kv_ip must be an IP address, got {raw.get('kv_ip')!r}")) from None
         size = raw.get("kv_buffer_size", 1e9)
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < 2**50:
             raise ValueError(_flag(f"kv_buffer_size must be a positive number of bytes, got {size!r}"))
