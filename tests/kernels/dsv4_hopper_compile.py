@@ -29,6 +29,7 @@ def _attend(dtype: torch.dtype, t: int, entries: int) -> None:
 
     dsv4_attention._dsv4_sparse_attention_triton(
         torch.empty(t, H, D, dtype=dtype), torch.empty(4096, D + 1024, dtype=dtype),
+        torch.empty(t, W, dtype=torch.int64), torch.empty(2048, D + 1024, dtype=dtype),
         torch.empty(t, W, dtype=torch.int64), torch.empty(2048, D + 128, dtype=dtype),
         torch.empty(t, entries, dtype=torch.int64), torch.empty(H), D**-0.5)
 

@@ -20,12 +20,15 @@ def _inputs(t, h, d, la, lb, dtype, seed=0):
     q = torch.randn(t, h, d, generator=g).to(dtype)
     rows_a = torch.randn(50, d + 8, generator=g).to(dtype)  # wider rows: only the first d values are the key
     rows_b = torch.randn(40, d + 3, generator=g).to(dtype)
+    rows_c = torch.randn(30, d, generator=g).to(dtype)
     idx_a = torch.randint(0, 50, (t, la), generator=g)
     idx_b = torch.randint(0, 40, (t, lb), generator=g)
+    idx_c = torch.randint(0, 30, (t, 5), generator=g)
     idx_a[torch.rand(t, la, generator=g) < 0.3] = -1
     idx_b[torch.rand(t, lb, generator=g) < 0.3] = -1
+    idx_c[torch.rand(t, 5, generator=g) < 0.5] = -1
     sinks = torch.randn(h, generator=g)
-    return q, rows_a, idx_a, rows_b, idx_b, sinks
+    return q, rows_a, idx_a, rows_b, idx_b, rows_c, idx_c, sinks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,11 +40,12 @@ def test_matches_reference(t, h, d, la, lb, dtype):
 
 
 def test_no_visible_key_gives_zero():
-    q, rows_a, idx_a, rows_b, idx_b, sinks = _inputs(3, 4, 32, 5, 2, torch.float32)
-    idx_a[1], idx_b[1] = -1, -1
-    out = k._dsv4_sparse_attention_triton(q, rows_a, idx_a, rows_b, idx_b, sinks, 0.2)
+    q, rows_a, idx_a, rows_b, idx_b, rows_c, idx_c, sinks = _inputs(3, 4, 32, 5, 2, torch.float32)
+    idx_a[1], idx_b[1], idx_c[1] = -1, -1, -1
+    args = (q, rows_a, idx_a, rows_b, idx_b, rows_c, idx_c, sinks, 0.2)
+    out = k._dsv4_sparse_attention_triton(*args)
     assert out[1].abs().max() == 0
-    assert_close(out, k.dsv4_sparse_attention_ref(q, rows_a, idx_a, rows_b, idx_b, sinks, 0.2))
+    assert_close(out, k.dsv4_sparse_attention_ref(*args))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,11 +13,11 @@ import torch
 from tests.models.dsv4_tiny import DSV4_TINY, save_tiny_dsv4
 from tests.tiny_models import (
     assert_batch_matches_hf,
-    assert_step_logits_match_hf,
     greedy_tokens,
     hf_logits,
     paths_reached,
     run_batch,
+    run_capturing_logits,
 )
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.layers.dsv4_attention import DeepseekV4Attention
@@ -50,9 +50,10 @@ def tiny(tmp_path_factory):
 
 
 def test_structure_and_cache_shapes(tiny):
-    """Every attention type and both routings are built; each layer's cache is its own shape: a token row
-    (kv, then the compressors' C and Z rows) and compressed entries, one a block at ratio 4 and block size 4,
-    one every other block at ratio 8 (the entry sits in the block of its window's last token)."""
+    """Every attention type and both routings are built; each layer keeps a ring of token rows per sequence (its
+    state slot: kv, then the compressors' C and Z rows, as many as a later step reads) and, for CSA and HCA, the
+    compressed entries in the paged cache: one a block at ratio 4 and block size 4, one every other block at
+    ratio 8 (the entry sits in the block of its window's last token)."""
     hf, _, engine = tiny
     cfg = hf.config
     attn = [m for m in engine.runner.model.modules() if isinstance(m, DeepseekV4Attention)]
@@ -61,7 +62,10 @@ def test_structure_and_cache_shapes(tiny):
     assert [m.hashed for m in moe] == [t == "hash_moe" for t in cfg.mlp_layer_types]
     d, di = cfg.head_dim, cfg.index_head_dim
     csa_row = d + 2 * (2 * d) + 2 * (2 * di)  # kv; C, Z at 2d (two series); the indexer's at 2 d_I
-    assert [tuple(a.kv_cache.shape) for a in attn] == [(64, 4, d), (64, 4, csa_row), (64, 4, 3 * d), (64, 4, csa_row)]
+    rows = engine.runner.num_state_slots + 1  # a scratch row for padded decode rows
+    # ring lengths: the window (6) for the sliding layer; 2 x 4 (CSA) and 8 (HCA) past it
+    assert [tuple(a.ring.shape) for a in attn] == [(rows, 6, d), (rows, 8, csa_row), (rows, 8, 3 * d),
+                                                   (rows, 8, csa_row)]
     assert tuple(attn[1].comp_cache.shape) == (64, 1, d + di)
     assert tuple(attn[2].comp_cache.shape) == (64, 1, d)
     assert attn[0].comp_cache is None
@@ -70,8 +74,21 @@ def test_structure_and_cache_shapes(tiny):
 
 
 def test_prefill_and_decode_logits_match(tiny):
+    """Per prompt alone: the logits of the prefill's last row and of each of 7 decode steps equal transformers'
+    (fp32), the engine's tokens are transformers' argmax, every block is freed (prefill chunks that end on a
+    block boundary, as the state slots' snapshots want, sample nothing)."""
     hf, _, engine = tiny
-    assert_step_logits_match_hf(engine, hf, PROMPTS, steps=8)
+    for prompt in PROMPTS:
+        generated, step_logits = run_capturing_logits(engine, list(prompt), 8)
+        step_logits = [row for row in step_logits if row.shape[0]]
+        full = list(prompt) + generated
+        ref = hf_logits(hf, full)
+        assert len(generated) == len(step_logits) == 8
+        for s, logits in enumerate(step_logits):
+            pos = len(prompt) - 1 + s
+            torch.testing.assert_close(logits[0], ref[pos], atol=1e-3, rtol=0)
+            assert int(ref[pos].argmax()) == full[pos + 1]
+        assert engine.block_manager.num_used_blocks == 0
 
 
 def test_selection_and_compression_matter(tiny):
@@ -135,17 +152,21 @@ def test_llm_alone_and_batched_greedy_equal_transformers(tiny):
 
 
 def test_prefix_cache_hits_match_transformers(tiny):
-    """A request sharing a 16-token prefix with a finished one reuses its blocks (token rows and compressed
-    entries, which sit in the block of their window's last token) and still equals transformers."""
+    """Prefix caching through the state slots' snapshots (the ring after every block boundary a chunk ends on):
+    a request parting from a finished one after 16 tokens leaves a snapshot there, and a third request sharing
+    those 16 tokens starts from it and the cached blocks (their compressed entries sit in the block of their
+    window's last token); all three equal transformers."""
     hf, path, _ = tiny
     cached = _engine(path, enable_prefix_caching=True)
     long = list(range(40, 63))
     shared = long[:16] + [7, 8, 9, 10, 11]
+    third = long[:16] + [12, 13, 250]
     tokens, logprobs, _ = run_batch(cached, [long], 5)
-    before = cached.computed_prompt_tokens_total
     tokens2, logprobs2, _ = run_batch(cached, [shared], 5)
-    assert cached.computed_prompt_tokens_total - before <= len(shared) - 16
-    assert_batch_matches_hf(hf, [long, shared], tokens + tokens2, logprobs + logprobs2)
+    before = cached.computed_prompt_tokens_total
+    tokens3, logprobs3, _ = run_batch(cached, [third], 5)
+    assert cached.computed_prompt_tokens_total - before <= len(third) - 16
+    assert_batch_matches_hf(hf, [long, shared, third], tokens + tokens2 + tokens3, logprobs + logprobs2 + logprobs3)
 
 
 def test_kv_cache_rows_are_written_once_per_window(tiny):

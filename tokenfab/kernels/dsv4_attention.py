@@ -1,9 +1,10 @@
 """DeepSeek-V4's attention core: each query token's heads over its own list of gathered key rows, with sinks.
 
-``dsv4_sparse_attention(q, rows_a, idx_a, rows_b, idx_b, sinks, scale)``: q [T, H, D]; the keys of token t
-are rows ``idx_a[t]`` of ``rows_a`` (its sliding window in the token-row cache) then rows ``idx_b[t]`` of
-``rows_b`` (its compressed entries: all visible ones for HCA, the indexer's picks for CSA), -1 for none; the
-first D values of a row are both key and value (shared-KV MQA). With a learned sink logit per head:
+``dsv4_sparse_attention(q, rows_a, idx_a, rows_b, idx_b, rows_c, idx_c, sinks, scale)``: q [T, H, D]; the keys
+of token t are rows ``idx_a[t]`` of ``rows_a``, ``idx_b[t]`` of ``rows_b`` and ``idx_c[t]`` of ``rows_c``, -1 for
+none (the model: its window's earlier rows in the sequence's ring, its window's rows of this step, its
+compressed entries: all visible ones for HCA, the indexer's picks for CSA); the first D values of a row are
+both key and value (shared-KV MQA). With a learned sink logit per head:
 
     o_h = sum_j softmax([q_h . k_j * scale ; sink_h])_j k_j        (the sink's share goes nowhere)
 
@@ -36,11 +37,13 @@ from tokenfab.kernels.dsa_indexer import _dsa_topk_triton, select_topk
 
 
 def dsv4_sparse_attention_ref(q: torch.Tensor, rows_a: torch.Tensor, idx_a: torch.Tensor, rows_b: torch.Tensor,
-                              idx_b: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                              idx_b: torch.Tensor, rows_c: torch.Tensor, idx_c: torch.Tensor, sinks: torch.Tensor,
+                              scale: float) -> torch.Tensor:
     """q [T, H, D]; rows_* [R, >= D]; idx_* [T, L] int64 (-1: no key); sinks [H] -> [T, H, D] in q's dtype."""
     t, h, d = q.shape
-    keys = torch.cat((rows_a[idx_a.clamp(min=0)][..., :d], rows_b[idx_b.clamp(min=0)][..., :d]), dim=1).to(q.dtype)
-    ok = torch.cat((idx_a >= 0, idx_b >= 0), dim=1)
+    sources = ((rows_a, idx_a), (rows_b, idx_b), (rows_c, idx_c))
+    keys = torch.cat([rows[idx.clamp(min=0)][..., :d] for rows, idx in sources], dim=1).to(q.dtype)
+    ok = torch.cat([idx >= 0 for _, idx in sources], dim=1)
     logits = torch.einsum("thd,tld->thl", q, keys).float() * scale
     logits = logits.masked_fill(~ok.unsqueeze(1), float("-inf"))
     sink = sinks.float().view(1, h, 1).expand(t, h, 1)
@@ -72,8 +75,8 @@ def _stream_rows(acc, m_i, l_i, q, rows_ptr, stride_r, idx_ptr, L, t, offs_d, d_
 
 
 @triton.jit
-def _dsv4_attention_kernel(q_ptr, rows_a_ptr, idx_a_ptr, rows_b_ptr, idx_b_ptr, sinks_ptr, out_ptr,
-                           H, D, La, Lb, stride_a, stride_b, scale,
+def _dsv4_attention_kernel(q_ptr, rows_a_ptr, idx_a_ptr, rows_b_ptr, idx_b_ptr, rows_c_ptr, idx_c_ptr, sinks_ptr,
+                           out_ptr, H, D, La, Lb, Lc, stride_a, stride_b, stride_c, scale,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                            DOT_PREC: tl.constexpr):
     """A program per (token, block of heads): q [T, H, D] contiguous, out likewise."""
@@ -90,6 +93,8 @@ def _dsv4_attention_kernel(q_ptr, rows_a_ptr, idx_a_ptr, rows_b_ptr, idx_b_ptr, 
                                  BLOCK_L, DOT_PREC)
     acc, m_i, l_i = _stream_rows(acc, m_i, l_i, q, rows_b_ptr, stride_b, idx_b_ptr, Lb, t, offs_d, d_ok, scale,
                                  BLOCK_L, DOT_PREC)
+    acc, m_i, l_i = _stream_rows(acc, m_i, l_i, q, rows_c_ptr, stride_c, idx_c_ptr, Lc, t, offs_d, d_ok, scale,
+                                 BLOCK_L, DOT_PREC)
     sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     m_fin = tl.maximum(m_i, sink)
     denom = l_i * tl.exp(m_i - m_fin) + tl.exp(sink - m_fin)
@@ -105,20 +110,22 @@ def dsv4_attention_config(h: int, d: int) -> dict:
 
 
 def _dsv4_sparse_attention_triton(q: torch.Tensor, rows_a: torch.Tensor, idx_a: torch.Tensor, rows_b: torch.Tensor,
-                                  idx_b: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                                  idx_b: torch.Tensor, rows_c: torch.Tensor, idx_c: torch.Tensor, sinks: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
     check_device(q)
     t, h, d = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if t == 0:
         return out
-    if rows_a.stride(-1) != 1 or rows_b.stride(-1) != 1:
+    if any(r.stride(-1) != 1 for r in (rows_a, rows_b, rows_c)):
         raise ValueError("dsv4_sparse_attention: key rows must be contiguous along the last dimension")
     cfg = dsv4_attention_config(h, d)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (t, triton.cdiv(h, cfg["BLOCK_H"]))
-    _dsv4_attention_kernel[grid](q.contiguous(), rows_a, idx_a.contiguous(), rows_b, idx_b.contiguous(),
-                                 sinks.float().contiguous(), out, h, d, idx_a.shape[1], idx_b.shape[1],
-                                 rows_a.stride(0), rows_b.stride(0), scale, DOT_PREC=prec, **cfg)
+    _dsv4_attention_kernel[grid](q.contiguous(), rows_a, idx_a.contiguous(), rows_b, idx_b.contiguous(), rows_c,
+                                 idx_c.contiguous(), sinks.float().contiguous(), out, h, d, idx_a.shape[1],
+                                 idx_b.shape[1], idx_c.shape[1], rows_a.stride(0), rows_b.stride(0), rows_c.stride(0),
+                                 scale, DOT_PREC=prec, **cfg)
     return out
 
 

@@ -13,9 +13,10 @@ For a token x at position p (H heads of dim D, one KV head that is both key and 
 RoPE rotates the trailing ``qk_rope_head_dim`` channels in consecutive pairs; sliding layers use the "main"
 parameters, compressed layers the "compress" ones (their own theta, YaRN when configured).
 
-The cache (bound by the model runner from ``paged_cache_shapes``): ``kv_cache`` [num_blocks, bs, width],
-one row per token: kv, then the compressor's (and the indexer's) C and Z rows; ``comp_cache``
-[num_blocks, R, D (+ d_I)], the compressed entries at the layout of ``CompressedLayout``. The attention
+The caches (bound by the model runner): ``ring`` [slots + 1, R, width], a state slot per sequence holding the
+rows of its last R = ``token_rows_read()`` tokens (kv, then the compressors' C and Z rows: all a later step
+reads of them), and ``comp_cache`` [num_blocks, max(1, bs // m), D (+ d_I)], the compressed entries in the
+paged cache at the layout of ``CompressedLayout``. The attention
 itself streams the rows it names (``kernels.dsv4_attention``: Triton, or the PyTorch reference); the
 compressors and the indexer's scores are PyTorch over gathered rows. Checkpoint names (the official
 layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compressor.*,indexer.*}``.
@@ -37,6 +38,7 @@ from tokenfab.layers.dsv4_compressor import (
     Compressor,
     InterleavedRope,
     LightningIndexer,
+    TokenRows,
     close_windows,
 )
 from tokenfab.layers.hyper_connections import unweighted_rms_norm
@@ -85,7 +87,8 @@ class DeepseekV4Attention(nn.Module):
         if layer_type == CSA:
             self.indexer = LightningIndexer(config.hidden_size, config.q_lora_rank, config.index_n_heads,
                                             config.index_head_dim, self.ratio, config.index_topk, self.rotary, eps)
-        self.kv_cache: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None  # [slots + 1, ring_len, token_width], bound by the runner
+        self.kv_block_size = 0
         self.comp_cache: torch.Tensor | None = None
         self.kv_cache_dtype: torch.dtype | None = None  # no FP8 cache for these layers yet
         self.kv_calibrate = False
@@ -108,17 +111,22 @@ class DeepseekV4Attention(nn.Module):
         return [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]
 
     def paged_cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-block shapes of this layer's caches, by attribute name (the runner binds [num_blocks, *shape])."""
-        shapes = {"kv_cache": (block_size, self.token_width)}
-        if self.ratio:
-            shapes["comp_cache"] = (CompressedLayout(block_size, self.ratio).rows_per_block, self.entry_width)
-        return shapes
+        """Per-block shapes of this layer's paged caches (the runner binds [num_blocks, *shape]): the compressed
+        entries, ``max(1, block_size // ratio)`` a block; none for a sliding layer."""
+        if not self.ratio:
+            return {}
+        self.kv_block_size = block_size  # the runner asks last, when it binds: the entries' layout follows it
+        return {"comp_cache": (CompressedLayout(block_size, self.ratio).rows_per_block, self.entry_width)}
 
     def token_rows_read(self) -> int:
-        """How many trailing token rows a step can still read: the window, and the rows of the windows not yet
-        compressed (CSA pools two). Older rows stay allocated in the paged cache (not released yet)."""
+        """How many trailing token rows a later step can still read: its window's, and the rows of the windows
+        not yet pooled (CSA pools two). The ring keeps exactly these."""
         lookback = {SLIDING: 0, HCA: self.ratio, CSA: 2 * self.ratio}[self.layer_type]
         return max(self.sliding_window, lookback)
+
+    def recurrent_state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The per-sequence ring of token rows (``runner/state_cache.py`` binds [slots + 1, *shape])."""
+        return {"ring": ((self.token_rows_read(), self.token_width), self.wkv.weight.dtype)}
 
     # ------------------------------------------------------------------ forward
 
@@ -128,57 +136,56 @@ class DeepseekV4Attention(nn.Module):
     gather_budget: int = 1 << 25
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, seq_of_token: torch.Tensor) -> torch.Tensor:
-        assert self.kv_cache is not None, "DeepSeek-V4 cache not bound: the model runner binds kv_cache"
+        assert self.ring is not None, "DeepSeek-V4 ring not bound: the model runner binds the state slots"
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         pos = batch.positions
         q_resid = self.q_norm(self.wq_a(x))
         q = self.rotary(unweighted_rms_norm(self.wq_b(q_resid).view(t, h, d), self.eps), pos)
         kv = self.rotary(self.norm(self.wkv(x)), pos)
-        rows = self.kv_cache.view(-1, self.token_width)
         new = torch.cat([kv] + [c.token_rows(x, pos) for c in self._compressors()], dim=-1)
-        half = self.token_width // 2  # store_latent writes [a ; b] rows; slot -1 (padding) skipped, no host sync
-        store_latent(new[:, :half].to(rows.dtype), new[:, half:].to(rows.dtype), self.kv_cache, batch.slot_mapping)
+        rows = TokenRows(new, self.ring, batch, seq_of_token)
         if self.ratio:
-            self._close_windows(batch, seq_of_token, rows)
+            self._close_windows(batch, rows)
         n = batch.max_context_len // self.ratio if self.ratio else 0
         per_token = (self.sliding_window + n) * d + (n * self.indexer.head_dim if self.indexer is not None else 0)
         step = max(1, self.gather_budget // max(1, per_token))
         o = torch.cat([self._attend_slice(q[i:i + step], x[i:i + step], q_resid[i:i + step], pos[i:i + step],
                                           seq_of_token[i:i + step], batch.block_tables, rows, n)
                        for i in range(0, t, step)]) if t else q
+        rows.store(self.ring)  # after every read of this step
         g = self.o_groups
         w = self.wo_a.weight.view(g, self.o_lora_rank, h * d // g)
         grouped = torch.einsum("tgi,gri->tgr", o.reshape(t, g, h * d // g), w).reshape(t, g * self.o_lora_rank)
         return self.wo_b(grouped)
 
     def _attend_slice(self, q: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
-                      seq: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """Queries of some tokens over their window rows and compressed entries (``kernels.dsv4_attention``:
-        the rows are named by index, -1 for none) -> [S, H, D], rotated back."""
-        win = CompressedLayout(self.kv_cache.shape[1], 1)
+                      seq: torch.Tensor, tables: torch.Tensor, rows: TokenRows, n: int) -> torch.Tensor:
+        """Queries of some tokens over their window rows (the ring's and this step's) and compressed entries
+        (``kernels.dsv4_attention``: the rows are named by index, -1 for none) -> [S, H, D], rotated back."""
         kpos = pos.unsqueeze(1) - self.sliding_window + 1 + torch.arange(self.sliding_window, device=q.device)
-        idx_win = torch.where(kpos >= 0, win.token_slots(tables, seq.unsqueeze(1), kpos.clamp(min=0)), -1)
-        entries, idx_comp = rows, idx_win[:, :0]
+        valid = kpos >= 0
+        new_idx, ring_idx = rows.split(kpos.clamp(min=0), seq.unsqueeze(1))
+        new_idx, ring_idx = torch.where(valid, new_idx, -1), torch.where(valid, ring_idx, -1)
+        entries, idx_comp = rows.new, new_idx[:, :0]
         if self.ratio:
             assert self.comp_cache is not None
             entries = self.comp_cache.view(-1, self.entry_width)
             idx_comp = self._compressed_rows(x, q_resid, pos, seq, tables, entries, n)
-        o = dsv4_sparse_attention(q, rows, idx_win, entries, idx_comp, self.attn_sink, self.head_dim**-0.5)
+        o = dsv4_sparse_attention(q, rows.ring, ring_idx, rows.new, new_idx, entries, idx_comp, self.attn_sink,
+                                  self.head_dim**-0.5)
         return self.rotary(o, pos, inverse=True)
 
-    def _close_windows(self, batch: ForwardBatch, seq_of_token: torch.Tensor, rows: torch.Tensor) -> None:
+    def _close_windows(self, batch: ForwardBatch, rows: TokenRows) -> None:
         """Write the entries of the windows whose last token is in this step into ``comp_cache`` (decode steps:
         every token pooled, the closing ones stored, so that no step syncs with the host)."""
-        assert self.comp_cache is not None and self.compressor is not None
+        assert self.comp_cache is not None and self.compressor is not None and self.kv_block_size
         d, pos, tables = self.head_dim, batch.positions, batch.block_tables
-        layout = CompressedLayout(self.kv_cache.shape[1], self.ratio)
+        layout = CompressedLayout(self.kv_block_size, self.ratio)
         every = batch.max_query_len == 1
-        seq, window, main, closing = close_windows(self.compressor, rows, layout, tables, seq_of_token, pos, d, every)
+        seq, window, main, closing = close_windows(self.compressor, rows, d, every)
         new = [main]
         if self.indexer is not None:
-            offset = d + self.compressor.row_width
-            new.append(close_windows(self.indexer.compressor, rows, layout, tables, seq_of_token, pos, offset,
-                                     every)[2])
+            new.append(close_windows(self.indexer.compressor, rows, d + self.compressor.row_width, every)[2])
         if window.numel():
             last = pos if every else (window + 1) * self.ratio - 1
             where = layout.closing_entry_rows(tables, seq, window, closing, last)
@@ -191,7 +198,7 @@ class DeepseekV4Attention(nn.Module):
         """The entry rows each token attends to [S, N'], -1 for none: HCA every visible entry of the N, CSA the
         indexer's top-k picks."""
         m = self.ratio
-        layout = CompressedLayout(self.kv_cache.shape[1], m)
+        layout = CompressedLayout(self.kv_block_size, m)
         ids = torch.arange(n, device=x.device)
         visible = ids.unsqueeze(0) < ((pos + 1) // m).unsqueeze(1)  # [S, N]
         at = layout.entry_rows(tables, seq.unsqueeze(1), ids.unsqueeze(0))  # [S, N]
@@ -202,16 +209,14 @@ class DeepseekV4Attention(nn.Module):
         return torch.where(picks >= 0, idx.gather(1, picks.clamp(min=0)), -1)
 
 def cache_bytes_per_token(layers: list[DeepseekV4Attention], context_len: int, block_size: int,
-                          dtype: torch.dtype, live_only: bool = False) -> float:
-    """Cache bytes per token of one sequence of ``context_len`` tokens over ``layers``, from their per-block
-    shapes: as allocated (every token row kept), or ``live_only`` (token rows older than ``token_rows_read``
-    released, which the block manager does not do yet: the compressed entries and a window of rows)."""
+                          dtype: torch.dtype) -> float:
+    """Cache bytes per token of one sequence of ``context_len`` tokens over ``layers``: its compressed entries
+    (whole blocks of them) and its ring of token rows in each layer, from the shapes the runner allocates."""
     blocks = -(-context_len // block_size)
     total = 0
     for a in layers:
-        shapes = a.paged_cache_shapes(block_size)
-        row_blocks = min(blocks, -(-a.token_rows_read() // block_size) + 1) if live_only else blocks
-        total += row_blocks * math.prod(shapes["kv_cache"])
-        if "comp_cache" in shapes:
-            total += blocks * math.prod(shapes["comp_cache"])
+        for shape in a.paged_cache_shapes(block_size).values():
+            total += blocks * math.prod(shape)
+        ring_shape, _ = a.recurrent_state_spec()["ring"]
+        total += math.prod(ring_shape)
     return total * dtype.itemsize / context_len

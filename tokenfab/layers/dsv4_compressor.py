@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenfab.forward_batch import ForwardBatch
+from tokenfab.kernels import store_latent
 from tokenfab.kernels.dsv4_attention import dsv4_index_topk
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
@@ -150,27 +152,59 @@ class Compressor(nn.Module):
         return self._rope[0](self.norm(pooled), window * self.ratio)
 
 
-def close_windows(comp: Compressor, rows: torch.Tensor, layout: CompressedLayout, batch_tables: torch.Tensor,
-                  seq_of_token: torch.Tensor, positions: torch.Tensor, row_offset: int,
-                  every_token: bool = False) -> tuple:
-    """The windows whose last token is in this step: (seq [W], window [W], entries [W, d], closing [W]) computed
-    from the token rows ``rows`` [num_slots, width] (columns ``row_offset`` onward hold ``comp``'s C and Z).
-    ``every_token`` (decode steps: no host sync, for CUDA graphs): one row per token, ``closing`` telling which
-    are real (the others pooled from rows up to the token, never stored)."""
-    m = layout.ratio
+class TokenRows:
+    """Where each token row a step reads lives: this step's own rows (``new`` [T, width]) for the positions of its
+    chunk, else the sequence's ring (``ring`` [slots + 1, R, width]: position p of the slot's sequence at row
+    p mod R, holding the last R positions before the chunk; ``batch.state_slots`` names the slot)."""
+
+    def __init__(self, new: torch.Tensor, ring: torch.Tensor, batch: ForwardBatch, seq_of_token: torch.Tensor) -> None:
+        self.new, self.ring, self.ring_len = new, ring.view(-1, ring.shape[-1]), ring.shape[1]
+        assert batch.state_slots is not None, "DeepSeek-V4 keeps its token rows in state slots: the runner binds them"
+        cu = batch.cu_seqlens_q.long()
+        self.first_row = cu[:-1]
+        self.first_pos = batch.positions[self.first_row.clamp(max=max(new.shape[0] - 1, 0))]
+        self.last_pos = self.first_pos + (cu[1:] - cu[:-1]) - 1
+        self.slot = batch.state_slots.long()
+        self.seq_of_token, self.positions = seq_of_token, batch.positions
+
+    def split(self, q: torch.Tensor, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions q (>= 0) of sequences seq -> (row of ``new`` or -1, row of the ring or -1)."""
+        local = q >= self.first_pos[seq]
+        new_row = self.first_row[seq] + q - self.first_pos[seq]
+        ring_row = self.slot[seq] * self.ring_len + q % self.ring_len
+        return torch.where(local, new_row, -1), torch.where(local, -1, ring_row)
+
+    def fetch(self, q: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        new_row, ring_row = self.split(q, seq)
+        return torch.where((new_row >= 0).unsqueeze(-1), self.new[new_row.clamp(min=0)],
+                           self.ring[ring_row.clamp(min=0)].to(self.new.dtype))
+
+    def store(self, ring: torch.Tensor) -> None:
+        """After the layer has read everything: each chunk's last R rows into its ring (no host sync)."""
+        seq, pos = self.seq_of_token, self.positions
+        keep = pos > self.last_pos[seq] - self.ring_len
+        dst = torch.where(keep, self.slot[seq] * self.ring_len + pos % self.ring_len, -1)
+        half = self.new.shape[-1] // 2
+        rows = self.new.to(ring.dtype)
+        store_latent(rows[:, :half], rows[:, half:], ring, dst)
+
+
+def close_windows(comp: Compressor, rows: TokenRows, row_offset: int, every_token: bool = False) -> tuple:
+    """The windows whose last token is in this step: (seq [W], window [W], entries [W, d], closing [W]) pooled from
+    the token rows (columns ``row_offset`` onward hold ``comp``'s C and Z). ``every_token`` (decode steps: no host
+    sync, for CUDA graphs): one row per token, ``closing`` telling which are real (the others pooled from rows up
+    to the token, never stored)."""
+    m, positions = comp.ratio, rows.positions
     closing = (positions + 1) % m == 0
     ends = torch.arange(positions.shape[0], device=positions.device) if every_token else closing.nonzero().flatten()
-    seq, window, last = seq_of_token[ends], positions[ends] // m, positions[ends]
+    seq, window, last = rows.seq_of_token[ends], positions[ends] // m, positions[ends]
     if not every_token and ends.numel() == 0:
-        return seq, window, rows.new_zeros(0, comp.head_dim), closing[ends]
+        return seq, window, rows.new.new_zeros(0, comp.head_dim), closing[ends]
     span = torch.arange(m, device=positions.device)
     cols = slice(row_offset, row_offset + comp.row_width)
     start = torch.minimum((window * m).unsqueeze(1) + span, last.unsqueeze(1))  # [W, m], never past the token
-    cur = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), start)][..., cols]
-    prev = None
-    if comp.overlap:
-        prev_pos = (start - m).clamp(min=0)
-        prev = rows[layout.token_slots(batch_tables, seq.unsqueeze(1), prev_pos)][..., cols]
+    cur = rows.fetch(start, seq.unsqueeze(1))[..., cols]
+    prev = rows.fetch((start - m).clamp(min=0), seq.unsqueeze(1))[..., cols] if comp.overlap else None
     return seq, window, comp.compress(cur, prev, window), closing[ends]
 
 
