@@ -16,9 +16,9 @@ parameters, compressed layers the "compress" ones (their own theta, YaRN when co
 The caches (bound by the model runner): ``ring`` [slots + 1, R, width], a state slot per sequence holding the
 rows of its last R = ``token_rows_read()`` tokens (kv, then the compressors' C and Z rows: all a later step
 reads of them), and ``comp_cache`` [num_blocks, max(1, bs // m), D (+ d_I)], the compressed entries in the
-paged cache at the layout of ``CompressedLayout``. The attention
-itself streams the rows it names (``kernels.dsv4_attention``: Triton, or the PyTorch reference); the
-compressors and the indexer's scores are PyTorch over gathered rows. Checkpoint names (the official
+paged cache at the layout of ``CompressedLayout``. The attention streams the rows it names and the indexer
+scores the entries it names (``kernels.dsv4_attention``: Triton, or the PyTorch references); the compressors
+are PyTorch over gathered rows. Checkpoint names (the official
 layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compressor.*,indexer.*}``.
 """
 
