@@ -1,16 +1,19 @@
-"""Multi-LoRA on MoE experts beyond Qwen3-MoE: Mixtral (tiny random, 2 layers, 8 experts, top-2, sliding window)
-and Qwen2-MoE (a gated shared expert beside the routed ones) are served by the same code. PEFT's 3-D expert adapter
-(with attention) and a per-expert adapter in transformers 4's naming (Mixtral: ``block_sparse_moe.experts.<e>.
-w1/w3/w2``; Qwen2-MoE: ``mlp.experts.<e>.gate_proj/up_proj/down_proj``), which PEFT converts on load, mixed
-with the base in one batch: each request's greedy tokens equal transformers' with the adapter merged by PEFT
-(for Qwen2-MoE's per-expert copy, PEFT on its 3-D source: PEFT does not convert that family)."""
+"""Multi-LoRA on MoE experts beyond Qwen3-MoE, served by the same code: Mixtral (tiny random, 2 layers, 8 experts,
+top-2, sliding window), Qwen2-MoE (a gated shared expert beside the routed ones) and DeepSeek-V3 (grouped routing,
+a shared expert, MLA). PEFT's 3-D expert adapter (with attention) and a per-expert adapter in transformers 4's naming
+(Mixtral: ``block_sparse_moe.experts.<e>.w1/w3/w2``; Qwen2-MoE: ``mlp.experts.<e>.gate_proj/up_proj/down_proj``),
+mixed with the base in one batch: each request's greedy tokens equal transformers' with the adapter merged by PEFT
+(PEFT converts the per-expert copy itself for Mixtral; for Qwen2-MoE it does not, and the 3-D source is the
+reference). Qwen2-MoE's shared expert and dense MLPs, as PEFT targets them there."""
 
 from __future__ import annotations
 
 import pytest
+from safetensors import safe_open
 
 from tests.lora.adapters import merged_greedy
 from tests.lora.moe_adapters import EXPERT_PARAMS, make_moe_peft_adapter, per_expert_copy
+from tests.models.test_deepseek import save_tiny_deepseek
 from tests.moe_tiny_models import tiny_moe_config
 from tests.tiny_models import save_tiny_model
 from tokenfab.engine.llm_engine import LLMEngine
@@ -61,3 +64,53 @@ def test_expert_adapters_mixed_equal_peft_merged(family, tmp_path):
                 got[o.request_id] = list(o.outputs[0].token_ids)
     for rid, p, n in jobs:
         assert got[rid] == refs[n][PROMPTS.index(p)], rid
+
+
+def test_qwen2_moe_shared_expert_and_dense_mlp_adapter_equals_peft_merged(tmp_path):
+    """PEFT (transformers 5) on Qwen2-MoE with target_modules gate/up/down_proj targets the shared expert
+    (``mlp.shared_expert.*``, ``shared_experts`` here) and the dense layers' MLPs; with the experts' own pairs
+    beside them, mixed with the base."""
+    cfg = tiny_moe_config("qwen2_moe")
+    base = save_tiny_model(cfg, tmp_path / "base")
+    s = make_moe_peft_adapter(base, tmp_path / "s", 4, 3, EXPERT_PARAMS,
+                              ["gate_proj", "up_proj", "down_proj", "q_proj"])
+    with safe_open(str(s / "adapter_model.safetensors"), "pt") as f:
+        assert any(".mlp.shared_expert.gate_proj." in k for k in f.keys())  # noqa: SIM118
+    want = {name: merged_greedy(base, path, PROMPTS, N_NEW) for name, path in (("b", None), ("s", s))}
+    assert want["s"] != want["b"]
+    engine = LLMEngine(model=str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=1,
+                       max_lora_rank=4, num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+    jobs = [(f"{n}{i}", p, n) for i, p in enumerate(PROMPTS) for n in want]
+    for rid, p, n in jobs:
+        engine.add_request(rid, p, params, lora_request=None if n == "b" else LoRARequest("s", 1, str(s)))
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = list(o.outputs[0].token_ids)
+    for rid, p, n in jobs:
+        assert got[rid] == want[n][PROMPTS.index(p)], rid
+
+
+def test_deepseek_v3_expert_adapter_equals_peft_merged(tmp_path):
+    """DeepSeek-V3 (grouped top-k routing with a correction bias, a shared expert, MLA): PEFT's 3-D expert pairs
+    with o_proj beside them, mixed with the base in one batch."""
+    base = save_tiny_deepseek(tmp_path / "base")
+    a = make_moe_peft_adapter(base, tmp_path / "a", 4, 1, EXPERT_PARAMS, ["o_proj"])
+    want = {name: merged_greedy(base, path, PROMPTS, N_NEW) for name, path in (("b", None), ("a", a))}
+    assert want["a"] != want["b"]
+    engine = LLMEngine(model=str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=1,
+                       max_lora_rank=4, num_kv_blocks=64, block_size=4)
+    assert sorted(engine.lora.targets["moe"]) == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+    jobs = [(f"{n}{i}", p, n) for i, p in enumerate(PROMPTS) for n in want]
+    for rid, p, n in jobs:
+        engine.add_request(rid, p, params, lora_request=None if n == "b" else LoRARequest("a", 1, str(a)))
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = list(o.outputs[0].token_ids)
+    for rid, p, n in jobs:
+        assert got[rid] == want[n][PROMPTS.index(p)], rid

@@ -31,6 +31,9 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 MAX_CONFIG_BYTES = 1 << 20
+#: checkpoint module names of older layouts -> this engine's; a model takes those its own
+#: ``remap_checkpoint_name`` makes (Mixtral's transformers-4 block, Qwen2-MoE's shared expert)
+CHECKPOINT_RENAMES = ((".block_sparse_moe.", ".mlp."), (".mlp.shared_expert.", ".mlp.shared_experts."))
 
 
 @dataclass
@@ -154,11 +157,22 @@ def shard_sizes_of(model: nn.Module, module_path: str) -> list[int]:
 def lora_targets_of(model: nn.Module, supported: tuple[str, ...]) -> dict[str, Any]:
     """What adapters may target in ``model``, as plain data (it crosses the engine-core process boundary,
     so an API server can check an adapter's files before any request uses it): ``packed``, checkpoint
-    leaf name -> [merged leaf, shard]; ``modules``, our module path -> [in_features, shard output sizes]."""
+    leaf name -> [merged leaf, shard]; ``modules``, our module path -> [in_features, shard output sizes];
+    ``renames``, [checkpoint name part, ours] (``CHECKPOINT_RENAMES`` that the model's loader applies)."""
     modules = {path: [int(m.in_features), shard_sizes_of(model, path)] for path, m in model.named_modules()
                if path.rpartition(".")[2] in supported and hasattr(m, "in_features")}
     packed = {k: list(v) for k, v in getattr(model, "packed_modules", {}).items()}
-    return {"packed": packed, "modules": modules}
+    remap = getattr(model, "remap_checkpoint_name", None)
+    renames = [[old, new] for old, new in CHECKPOINT_RENAMES
+               if remap is not None and remap(f"model{old}weight") == f"model{new}weight"]
+    return {"packed": packed, "modules": modules, "renames": renames}
+
+
+def _renamed(targets: dict[str, Any], checkpoint_module: str) -> str:
+    name = f".{checkpoint_module}."
+    for old, new in targets.get("renames", ()):
+        name = name.replace(old, new)
+    return name[1:-1]
 
 
 def _target_of(targets: dict[str, Any], checkpoint_module: str) -> tuple[str, int]:
@@ -205,11 +219,12 @@ def check_adapter_files(adapter_dir: str | Path, targets: dict[str, Any], max_ra
     for ckpt_module, halves in sorted(shapes.items()):
         if set(halves) != {"lora_A", "lora_B"}:
             raise ValueError(f"{adapter_dir}: {ckpt_module} has {sorted(halves)} only (needs lora_A and lora_B)")
-        moe_module = moe_module_of(targets, ckpt_module)
+        ours = _renamed(targets, ckpt_module)  # rank patterns and messages keep the checkpoint's name
+        moe_module = moe_module_of(targets, ours)
         if moe_module is not None:
             moe_found[ckpt_module] = (moe_module, halves)
             continue
-        target, shard = _target_of(targets, ckpt_module)
+        target, shard = _target_of(targets, ours)
         if target not in targets["modules"]:
             raise ValueError(f"{adapter_dir}: module {ckpt_module} is not a LoRA target this model supports "
                              f"({', '.join(supported)})")

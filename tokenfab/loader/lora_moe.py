@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 PER_EXPERT = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-BLOCK_ALIASES = {"block_sparse_moe": "mlp"}  # transformers 4's Mixtral block name -> this engine's (and v5's)
 _EXPERT_RE = re.compile(r"(.+)\.experts\.(\d+)\.([A-Za-z0-9_]+)")
 
 
@@ -44,19 +43,14 @@ class MoEPlan:
 
 
 def _block_path(targets: dict[str, Any], block: str) -> str | None:
-    """Our MoE module path for a checkpoint block path (refused ones too), or None if it is no MoE block."""
-    known = {**targets.get("moe", {}), **targets.get("moe_refused", {})}
-    if block in known:
-        return block
-    parent, _, leaf = block.rpartition(".")
-    alias = f"{parent}.{BLOCK_ALIASES[leaf]}" if leaf in BLOCK_ALIASES else None
-    return alias if alias in known else None
+    """``block`` if it is an MoE module of the model (refused ones too), else None."""
+    return block if block in targets.get("moe", {}) or block in targets.get("moe_refused", {}) else None
 
 
 def moe_module_of(targets: dict[str, Any], ckpt_module: str) -> tuple[str, str, int | None] | None:
-    """(our MoE module path, projection, expert) of a checkpoint module that is LoRA on MoE experts or its
-    router -- projection "stacked" (PEFT's 3-D layout), "gate"/"up"/"down" (per expert, with the expert)
-    or "router" -- else None."""
+    """(our MoE module path, projection, expert) of a checkpoint module (renamed to this engine's names:
+    Mixtral's ``block_sparse_moe`` is ``mlp``) that is LoRA on MoE experts or its router -- projection
+    "stacked" (PEFT's 3-D layout), "gate"/"up"/"down" (per expert, with the expert) or "router" -- else None."""
     name = ckpt_module
     while name.endswith(".base_layer"):
         name = name[: -len(".base_layer")]
