@@ -28,6 +28,7 @@ import contextlib
 import io
 import itertools
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -80,7 +81,10 @@ def _server(args: argparse.Namespace, flags: list[str], data_dir: Path) -> Itera
     port = _free_port()
     cmd = [sys.executable, "-m", "tokenfab", "serve", *([args.model] if args.model else []), "--port", str(port),
            "--no-access-log", "--data-dir", str(data_dir), *shlex.split(args.serve_args), *flags]
-    with _processes([cmd]) as (proc,):
+    # a step of 16 adapter prompts through the Python layers can take minutes on a busy shared CPU: the servers'
+    # hang watchdog (120 s by default) would take it for a hung core
+    env = {**os.environ, "TOKENFAB_ENGINE_HANG_TIMEOUT": os.environ.get("TOKENFAB_ENGINE_HANG_TIMEOUT", "1800")}
+    with _processes([cmd], env) as (proc,):
         url = f"http://127.0.0.1:{port}"
         _wait(f"{url}/health", proc, "tokenfab serve " + " ".join(flags), args.server_timeout)
         yield url
@@ -174,7 +178,8 @@ def _isolation_run(args: argparse.Namespace, flags: str, data_dir: Path) -> dict
         done_during = b.request_counts.completed - done_before
         if args.batch_timeout <= 0:
             client.batches.cancel(batch.id)
-        while b.status not in TERMINAL and time.monotonic() - t0 < max(args.batch_timeout, 0) + 60:
+        t1 = time.monotonic()  # the wait for the batch to finish counts from here (a cancelled one: its lines stop)
+        while b.status not in TERMINAL and time.monotonic() - t1 < max(args.batch_timeout, 0) + 60:
             time.sleep(1.0)
             b = client.batches.retrieve(batch.id)
     finished = b.status == "completed"
