@@ -20,15 +20,18 @@ from tokenfab.bench.chaos import ROUTER_ARGS, _blame
 from tokenfab.bench.chaos_fleet import Kill
 from tokenfab.bench.chaos_load import RETRYABLE, Record, _classify_status
 
-TOLERATED = {"ok", *RETRYABLE, "router_503", "dropped"}  # "dropped": only where a server kill explains it (below)
+# "dropped" and "router_5xx": only where a server kill explains them (below)
+TOLERATED = {"ok", *RETRYABLE, "router_503", "router_5xx", "dropped"}
 
 
 def test_a_503_is_told_apart_by_who_wrote_it():
-    ours, theirs, other = (Record(k, "chat", False, 0.0) for k in range(3))
+    ours, theirs, other, our_500 = (Record(k, "chat", False, 0.0) for k in range(4))
     _classify_status(ours, 503, httpx.Headers({"Retry-After": "5"}), '{"error": {"message": "dead"}}')
     _classify_status(theirs, 503, httpx.Headers(), "No available workers (all circuits open or unhealthy)")
-    _classify_status(other, 502, httpx.Headers(), "bad gateway")
-    assert [r.outcome for r in (ours, theirs, other)] == ["retryable_503", "router_503", "other_5xx"]
+    _classify_status(other, 500, httpx.Headers(), "Request failed: error sending request for url (http://x)")
+    _classify_status(our_500, 500, httpx.Headers(), '{"error": {"message": "boom", "code": "request_failed"}}')
+    assert [r.outcome for r in (ours, theirs, other, our_500)] == ["retryable_503", "router_503", "router_5xx",
+                                                                     "other_5xx"]
     bare = Record(3, "chat", False, 0.0)
     _classify_status(bare, 503, httpx.Headers(), '{"error": {"message": "dead"}}')
     assert bare.outcome == "503_no_retry_after"
@@ -85,8 +88,9 @@ def test_chaos_run_loses_nothing(tmp_path):
     assert s["sent"] > 20 and s["accounted"] == s["sent"] and s["lost"] == 0, s
     assert s["outcomes"]["ok"] > 0, s
     assert {k for k, v in s["outcomes"].items() if v} <= TOLERATED, (s["outcomes"], report["failure_samples"])
-    assert set(report["failures_by_cause"]) <= {"dropped_by_server_kill", "router_503_by_server_kill",
-                                                "router_503_by_core_kill", "router_503_by_no_kill"}, report
+    assert set(report["failures_by_cause"]) <= {"dropped_by_server_kill", "router_5xx_by_server_kill",
+                                                "router_503_by_server_kill", "router_503_by_core_kill",
+                                                "router_503_by_no_kill"}, report
     assert sorted(k["kind"] for k in report["kills"]) == ["core", "server"], report["kills"]
     assert all(k["recovery_s"] is not None for k in report["kills"]), report["kills"]
     assert sum(report["restarts"].values()) == 2, report["restarts"]  # one restart a kill, no other

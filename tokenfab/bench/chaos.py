@@ -113,6 +113,12 @@ def _blame(records: list[Record], kills: list[Kill], window: float) -> dict[str,
     return out
 
 
+def _routers_doing(cause: str) -> bool:
+    """A failure the router alone causes: its own 503 while no instance is up, or a request in flight on a server that
+    was SIGKILLed (a stream cut, or the router's 500 for a non-streamed one): no server could answer those."""
+    return cause.startswith("router_503") or cause in ("dropped_by_server_kill", "router_5xx_by_server_kill")
+
+
 def _samples(records: list[Record], t_start: float) -> list[dict]:
     """Every failure but the router's own 503s (up to 200), then a few of those."""
     failed = [r for r in records if r.outcome != "ok" and r.outcome not in RETRYABLE]
@@ -150,9 +156,7 @@ async def _run(args: argparse.Namespace, model_id: str, instances: list[Instance
     summary = load.summary()
     failures = {k: v for k, v in summary["outcomes"].items() if k != "ok" and k not in RETRYABLE and v}
     blame = _blame(load.records, kills, args.blame_window)
-    # the router's doing, not tokenfab's: its own 503 while no instance is up, a stream cut by a server SIGKILL
-    unexplained = {k: v for k, v in blame.items()
-                   if not k.startswith("router_503") and k != "dropped_by_server_kill"}
+    unexplained = {k: v for k, v in blame.items() if not _routers_doing(k)}
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
     return {
         "load_seconds": round(load_s, 1), "summary": summary, "failures": failures, "failures_by_cause": blame,

@@ -8,7 +8,9 @@ Every request gets exactly one outcome, from the client's view:
   code ``service_unavailable`` and ``[DONE]`` (the status cannot change once sent: this is the stream's 503);
 - ``router_503``: a 503 the router wrote itself (not OpenAI's error body: "No available workers" while every
   instance is down); vllm-router 0.1.17 sends no ``Retry-After`` with it and has no setting for one;
-- ``503_no_retry_after``, ``other_5xx``, ``other_4xx``, ``stream_error`` (an in-band error that is not a 503);
+- ``router_5xx``: another 5xx the router wrote itself (vllm-router answers 500 "Request failed: error sending
+  request" for a non-streamed request whose server was SIGKILLed while it was in flight);
+- ``503_no_retry_after``, ``other_5xx`` (tokenfab's), ``other_4xx``, ``stream_error`` (an in-band error, not a 503);
 - ``dropped``: the connection ended without a complete answer (no status, or a stream cut before ``[DONE]``);
 - ``timeout``: no answer within the request timeout; ``client_error``: the generator itself failed on the answer.
 ``lost`` = requests sent - outcomes recorded: a request the generator cannot account for (must be 0).
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 import httpx
 
 RETRYABLE = ("retryable_503", "stream_503")
-OUTCOMES = ("ok", *RETRYABLE, "router_503", "503_no_retry_after", "other_5xx", "other_4xx", "stream_error", "dropped",
-            "timeout", "client_error")
+OUTCOMES = ("ok", *RETRYABLE, "router_503", "router_5xx", "503_no_retry_after", "other_5xx", "other_4xx",
+            "stream_error", "dropped", "timeout", "client_error")
 PROMPTS = ("Name a color.", "Count to five.", "Say hello in French.", "What is 2 + 2?", "Give a fruit.",
            "Write one word.", "Name a planet.", "Spell cat.")
 KINDS = (("chat", True), ("chat", False), ("completion", True), ("completion", False))
@@ -59,7 +61,7 @@ def _classify_status(rec: Record, status: int, headers: httpx.Headers, text: str
         rec.outcome = "retryable_503" if "retry-after" in headers else \
             "503_no_retry_after" if _openai_error(text) else "router_503"
     elif status >= 500:
-        rec.outcome = "other_5xx"
+        rec.outcome = "other_5xx" if _openai_error(text) else "router_5xx"
     else:
         rec.outcome = "other_4xx"
     rec.detail = text[:200]

@@ -48,14 +48,16 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
              f"for {report['load_seconds']} s, "
              + (f"one kill every {c['kill_interval']:g} s ({' / '.join(c['kill_kinds'])} in turn)."
                 if c["kill_interval"] > 0 else "no kills (soak)."),
-             "", f"Router flags: `{c['router_args']}`", "",
-             f"**{'PASSED' if report['passed'] else 'FAILED'}**: sent {s['sent']}, accounted {s['accounted']}, "
-             f"lost {s['lost']}.", "", "## Outcomes (client's view)", "",
+             "", f"Router flags: `{c['router_args']}`", "", *([report["note"], ""] if report.get("note") else []),
+             f"**{'PASSED' if report['passed'] else 'FAILED'}** (nothing lost, every kill recovered, every answer "
+             "that is not a completion is a 503 or the router's own doing): "
+             f"sent {s['sent']}, accounted {s['accounted']}, lost {s['lost']}.", "", "## Outcomes (client's view)", "",
              markdown_table(["outcome", "requests"], [[k, v] for k, v in s["outcomes"].items()]), ""]
     if report["failures_by_cause"]:
         lines += ["Requests that neither completed nor got tokenfab's retryable 503, by the kill they followed "
                   "(ended within the blame window after it) -- `router_503` is vllm-router's own answer while it "
-                  "has no healthy worker, `dropped_by_server_kill` a stream cut by a SIGKILLed server:", "",
+                  "has no healthy worker, `dropped_by_server_kill` a stream cut by a SIGKILLed server, "
+                  "`router_5xx_by_server_kill` the router's 500 for a non-streamed request in flight on it:", "",
                   markdown_table(["outcome by cause", "requests"], list(report["failures_by_cause"].items())), ""]
     if report["kills"]:
         lines += ["## Kills and recovery (kill -> /health 200 and a completion served)", "",
