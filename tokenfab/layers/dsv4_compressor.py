@@ -1,4 +1,4 @@
-"""DeepSeek-V4's KV compressors and lightning indexer, over the paged cache.
+"""DeepSeek-V4's KV compressors and lightning indexer, over the ring of token rows and the paged entries.
 
 A compressor turns every ``m`` consecutive tokens (a window) into one compressed KV entry:
 
@@ -10,9 +10,10 @@ two series, Ca = [..., :d] and Cb = [..., d:]: entry w pools window w's Cb with 
 stride m; window 0's missing half has gate -inf). A query at position p may use the entries of the windows
 that are complete at p: w < (p + 1) // m.
 
-Paged layout (``CompressedLayout``): each token's C and Z rows stay in its own cache slot (written when the
-token is computed, so a window can close in a later chunk or decode step); entry w is written once, when
-the window's last token e = (w + 1) m - 1 is computed, into the block that holds e, at row (e mod bs) // m
+Where rows live: each token's C and Z rows (with its kv) are read from this step's own rows or, for positions
+before the chunk, from the sequence's ring of recent rows (``TokenRows``; a window can close in a later chunk or
+decode step). Paged layout of the entries (``CompressedLayout``): entry w is written once, when the window's
+last token e = (w + 1) m - 1 is computed, into the block that holds e, at row (e mod bs) // m
 (``max(1, bs // m)`` rows a block). Keeping the entry in the block of the window's last token makes it a
 function of that block's prefix only, so prefix-cached blocks are never written by another sequence.
 
@@ -76,9 +77,8 @@ class InterleavedRope(nn.Module):
 
 @dataclass
 class CompressedLayout:
-    """Where rows live: token p of sequence b at slot table[b, p // bs] * bs + p % bs; compressed entry w
-    at row table[b, e // bs] * R + (e % bs) // m of the entry cache viewed as [num_blocks * R, width],
-    e = (w + 1) m - 1, R = max(1, bs // m)."""
+    """Where entries live: compressed entry w of sequence b at row table[b, e // bs] * R + (e % bs) // m of the
+    entry cache viewed as [num_blocks * R, width], e = (w + 1) m - 1, R = max(1, bs // m)."""
 
     block_size: int
     ratio: int
@@ -91,11 +91,6 @@ class CompressedLayout:
     @property
     def rows_per_block(self) -> int:
         return max(1, self.block_size // self.ratio)
-
-    def token_slots(self, tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Slots of positions ``pos`` (>= 0) of sequences ``seq`` (broadcast together)."""
-        bs = self.block_size
-        return tables[seq, pos // bs].long() * bs + pos % bs
 
     def entry_rows(self, tables: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         end = (entry + 1) * self.ratio - 1
