@@ -169,7 +169,7 @@ def test_prefix_cache_hits_match_transformers(tiny):
     assert_batch_matches_hf(hf, [long, shared, third], tokens + tokens2 + tokens3, logprobs + logprobs2 + logprobs3)
 
 
-def test_kv_cache_rows_are_written_once_per_window(tiny):
+def test_compressed_entries_are_written_once_per_window(tiny):
     """After a 23-token prompt, the compressed entries of the 5 closed CSA windows (ratio 4) and the 2 HCA
     windows (ratio 8) are non-zero and the entries of windows not yet closed are still zero."""
     _, path, _ = tiny
