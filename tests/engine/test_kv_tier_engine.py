@@ -16,15 +16,14 @@ from tests.models.test_deepseek import save_tiny_deepseek
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.sampling_params import SamplingParams
 
-N_CONV, FIRST, NEW, ANSWER = 20, 32, 8, 4
+N_CONV, FIRST, NEW, ANSWER, SECOND_ANSWER = 20, 32, 8, 4, 16  # long second answers: decodes need blocks
 
 
 def _conversations(engine: LLMEngine, n_conv: int = N_CONV):
     """Both turns of every conversation: (first-turn outputs, second-turn outputs)."""
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
-
-    def run(prompts, tag):
+    def run(prompts, tag, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for i, p in enumerate(prompts):
             engine.add_request(f"{tag}{i}", p, params)
         done = {}
@@ -35,13 +34,14 @@ def _conversations(engine: LLMEngine, n_conv: int = N_CONV):
         return [done[f"{tag}{i}"] for i in range(len(prompts))]
 
     firsts = [[rng.randrange(1, 320) for _ in range(FIRST)] for _ in range(n_conv)]
-    answers = run(firsts, "t1-")
+    answers = run(firsts, "t1-", ANSWER)
     seconds = [f + a + [rng.randrange(1, 320) for _ in range(NEW)] for f, a in zip(firsts, answers)]
-    return answers, run(seconds, "t2-")
+    return answers, run(seconds, "t2-", SECOND_ANSWER)
 
 
 def _engine(path: str, **kw) -> LLMEngine:
     # a second turn is 44 tokens = 11 blocks: 36 blocks hold about three; 32-token steps chunk the second turns
+    # and the running second turns' decodes preempt one another
     return LLMEngine(model=path, block_size=4, num_kv_blocks=36, max_num_batched_tokens=32, max_num_seqs=8, **kw)
 
 
@@ -67,6 +67,7 @@ def test_host_tier_output_identical_and_hits_counted(tiny_llama_dir, baseline):
     assert s.kv_offload_misses_total == s.kv_offload_queries_total - s.kv_offload_hits_total
     assert s.kv_offload_host_bytes > 0 and s.kv_offload_disk_bytes == 0
     assert s.computed_prompt_tokens_total < base.computed_prompt_tokens_total  # loaded, not recomputed
+    assert s.num_preemptions_total > 0 and base.num_preemptions_total > 0  # re-admissions went through the tier
     assert base.kv_offload_hits_total == 0 and base.kv_offload_queries_total == 0
 
 
