@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+# before any test module imports peft, which imports triton: Triton's interpreter is chosen at triton's first
+# import (kernels/_launch.py), and the tests that run the kernels on CPU (TOKENFAB_KERNELS=triton) need it
+import tokenfab.kernels._launch  # noqa: F401
 from tests.lora.adapters import ALL_TARGETS, make_peft_adapter
 from tests.tiny_models import save_tiny_model, tiny_config, tiny_llama_with_bundled_tokenizer
 
