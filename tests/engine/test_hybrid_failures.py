@@ -74,3 +74,10 @@ def test_retrying_on_the_advanced_state_would_be_caught(toy_dir, monkeypatch):
     poison_second_layer(monkeypatch, eng)
     done = run_with_late_poison(eng, prompts, poison_at=2)
     assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] != expected
+
+
+def test_pd_transfer_is_refused_for_a_hybrid_model(toy_dir):
+    """P/D moves paged KV blocks only: a model with recurrent state is refused at start, not served wrong."""
+    cfg = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_port": 29911}'
+    with pytest.raises(ValueError, match="recurrent-state layers"):
+        engine(toy_dir, kv_transfer_config=cfg)

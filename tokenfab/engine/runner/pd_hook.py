@@ -107,7 +107,9 @@ def pd_hook_for(args: Any, runner: ModelRunner, block_manager: BlockManager, spe
                (bool(getattr(args, "async_scheduling", False)), "--async-scheduling (the next step may overwrite a "
                 "finished prompt's blocks before they are staged)"),
                (not args.enable_prefix_caching, "prefix caching off (blocks are found by their prefix digests)"),
-               (block_manager.connector is not None, "--kv-offload-bytes / --kv-offload-dir (one connector)")]
+               (block_manager.connector is not None, "--kv-offload-bytes / --kv-offload-dir (one connector)"),
+               (bool(runner.state_caches), "a model with recurrent-state layers (the hybrid cache's states and "
+                "token rings are not transferred, only paged KV blocks)")]
     for bad, what in refused:
         if bad:
             raise ValueError(f"--kv-transfer-config with {what} is not supported yet")
