@@ -28,7 +28,7 @@ serve: $(STAMP)
 
 # the fast tier (CI): every test not marked slow; must stay under 15 minutes on 2 cores
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --durations=30 tests
 
 # the slow tier: gloo ranks, servers and engine-core processes, Hopper compiles, long runs
 test-slow: $(STAMP)
