@@ -23,6 +23,72 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
+# (kind, name after tokenfab_, help, the EngineStats field it reads; None: the server's own waiting count),
+# in the order /metrics lists them
+_ENGINE_SERIES: tuple[tuple[str, str, str, str | None], ...] = (
+    ("gauge", "num_requests_running", "Sequences in the running batch.", "num_running"),
+    ("gauge", "num_requests_waiting", "Sequences waiting to be scheduled (queued included).", None),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_cache_usage"),
+    ("gauge", "kv_cache_used_blocks", "KV cache blocks in use.", "num_used_blocks"),
+    ("gauge", "kv_cache_total_blocks", "KV cache blocks in all.", "num_total_blocks"),
+    ("gauge", "kv_cache_capacity_tokens", "Tokens the KV cache holds.", "kv_cache_tokens"),
+    ("gauge", "weight_bytes_per_param",
+     "Weight bytes per model parameter as held in memory.",
+     "weight_bytes_per_param"),
+    ("gauge", "kv_cache_bytes_per_token", "KV cache bytes per token.", "kv_bytes_per_token"),
+    ("gauge", "quantized_weight_bytes_per_param",
+     "Weight bytes per parameter of the quantized layers (FP8, INT4, FP4; scales included; 0 without any).",
+     "quantized_weight_bytes_per_param"),
+    ("gauge", "prefix_cache_hit_rate", "Prefix cache hit rate (blocks).", "prefix_cache_hit_rate"),
+    ("counter", "prompt_tokens", "Prompt tokens received.", "prompt_tokens_total"),
+    ("counter", "generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("counter", "computed_prompt_tokens",
+     "Prompt tokens computed (prefix-cache misses).",
+     "computed_prompt_tokens_total"),
+    ("counter", "num_preemptions", "Sequences preempted for lack of KV cache.", "num_preemptions_total"),
+    ("counter", "kv_offload_queries",
+     "Prompt tokens looked up in the KV tier past the local prefix hit.",
+     "kv_offload_queries_total"),
+    ("counter", "kv_offload_hits",
+     "Prompt tokens loaded from the KV tier instead of recomputed.",
+     "kv_offload_hits_total"),
+    ("counter", "kv_offload_misses",
+     "Prompt tokens looked up in the KV tier and not found.",
+     "kv_offload_misses_total"),
+    ("counter", "kv_offload_saved_blocks",
+     "Evicted KV blocks copied into the KV tier.",
+     "kv_offload_saved_blocks_total"),
+    ("counter", "kv_offload_loaded_blocks", "KV blocks loaded from the KV tier.", "kv_offload_loaded_blocks_total"),
+    ("counter", "kv_offload_failed_blocks",
+     "KV blocks the tier could not deliver (file gone or corrupt).",
+     "kv_offload_failed_blocks_total"),
+    ("counter", "kv_offload_spilled_blocks",
+     "KV blocks moved from host memory to disk.",
+     "kv_offload_spilled_blocks_total"),
+    ("counter", "kv_offload_dropped_blocks",
+     "KV blocks dropped from the tier (full).",
+     "kv_offload_dropped_blocks_total"),
+    ("gauge", "kv_offload_host_bytes", "Bytes of KV blocks held in host memory.", "kv_offload_host_bytes"),
+    ("gauge", "kv_offload_disk_bytes", "Bytes of KV blocks held on disk.", "kv_offload_disk_bytes"),
+    ("gauge", "kv_offload_host_blocks", "KV blocks held in host memory.", "kv_offload_host_blocks"),
+    ("gauge", "kv_offload_disk_blocks", "KV blocks held on disk.", "kv_offload_disk_blocks"),
+    ("counter", "engine_steps", "Model steps run.", "num_steps"),
+    ("gauge", "last_step_num_seqs", "Sequences in the latest step's batch.", "last_step_num_seqs"),
+    ("gauge", "last_step_prefill_tokens", "Prompt tokens in the latest step.", "last_step_prefill_tokens"),
+    ("gauge", "last_step_decode_tokens", "Decode tokens in the latest step.", "last_step_decode_tokens"),
+    ("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_draft_tokens_total"),
+    ("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens_total"),
+    ("gauge", "spec_decode_acceptance_rate", "Accepted / verified draft tokens.", "spec_acceptance_rate"),
+    ("gauge", "spec_decode_mean_accepted_length",
+     "Tokens emitted per verified sequence-step (accepted + 1).",
+     "spec_mean_accepted_length"),
+    ("counter", "spec_decode_draft_seconds", "Time spent proposing drafts.", "spec_draft_seconds_total"),
+    ("counter", "spec_decode_verify_seconds",
+     "Time in verify steps (forward + acceptance).",
+     "spec_verify_seconds_total"),
+)
+
+
 class _EngineCollector(Collector):
     """Gauges and counters mirrored from the engine's latest stats (no locking on a step)."""
 
@@ -51,60 +117,9 @@ class _EngineCollector(Collector):
             c.add_metric(lv, value)
             return c
 
-        yield gauge("num_requests_running", "Sequences in the running batch.", get("num_running"))
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled (queued included).",
-                    float(self._waiting()))
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", get("kv_cache_usage"))
-        yield gauge("kv_cache_used_blocks", "KV cache blocks in use.", get("num_used_blocks"))
-        yield gauge("kv_cache_total_blocks", "KV cache blocks in all.", get("num_total_blocks"))
-        yield gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.", get("kv_cache_tokens"))
-        yield gauge("weight_bytes_per_param", "Weight bytes per model parameter as held in memory.",
-                    get("weight_bytes_per_param"))
-        yield gauge("kv_cache_bytes_per_token", "KV cache bytes per token.", get("kv_bytes_per_token"))
-        yield gauge("quantized_weight_bytes_per_param", "Weight bytes per parameter of the quantized layers "
-                    "(FP8, INT4, FP4; scales included; 0 without any).", get("quantized_weight_bytes_per_param"))
-        yield gauge("prefix_cache_hit_rate", "Prefix cache hit rate (blocks).", get("prefix_cache_hit_rate"))
-        yield counter("prompt_tokens", "Prompt tokens received.", get("prompt_tokens_total"))
-        yield counter("generation_tokens", "Tokens generated.", get("generation_tokens_total"))
-        yield counter("computed_prompt_tokens", "Prompt tokens computed (prefix-cache misses).",
-                      get("computed_prompt_tokens_total"))
-        yield counter("num_preemptions", "Sequences preempted for lack of KV cache.",
-                      get("num_preemptions_total"))
-        # the KV tier beyond the device (--kv-offload-bytes; all 0 when off)
-        yield counter("kv_offload_queries", "Prompt tokens looked up in the KV tier past the local prefix hit.",
-                      get("kv_offload_queries_total"))
-        yield counter("kv_offload_hits", "Prompt tokens loaded from the KV tier instead of recomputed.",
-                      get("kv_offload_hits_total"))
-        yield counter("kv_offload_misses", "Prompt tokens looked up in the KV tier and not found.",
-                      get("kv_offload_misses_total"))
-        yield counter("kv_offload_saved_blocks", "Evicted KV blocks copied into the KV tier.",
-                      get("kv_offload_saved_blocks_total"))
-        yield counter("kv_offload_loaded_blocks", "KV blocks loaded from the KV tier.",
-                      get("kv_offload_loaded_blocks_total"))
-        yield counter("kv_offload_failed_blocks", "KV blocks the tier could not deliver (file gone or corrupt).",
-                      get("kv_offload_failed_blocks_total"))
-        yield counter("kv_offload_spilled_blocks", "KV blocks moved from host memory to disk.",
-                      get("kv_offload_spilled_blocks_total"))
-        yield counter("kv_offload_dropped_blocks", "KV blocks dropped from the tier (full).",
-                      get("kv_offload_dropped_blocks_total"))
-        yield gauge("kv_offload_host_bytes", "Bytes of KV blocks held in host memory.", get("kv_offload_host_bytes"))
-        yield gauge("kv_offload_disk_bytes", "Bytes of KV blocks held on disk.", get("kv_offload_disk_bytes"))
-        yield gauge("kv_offload_host_blocks", "KV blocks held in host memory.", get("kv_offload_host_blocks"))
-        yield gauge("kv_offload_disk_blocks", "KV blocks held on disk.", get("kv_offload_disk_blocks"))
-        yield counter("engine_steps", "Model steps run.", get("num_steps"))
-        yield gauge("last_step_num_seqs", "Sequences in the latest step's batch.", get("last_step_num_seqs"))
-        yield gauge("last_step_prefill_tokens", "Prompt tokens in the latest step.", get("last_step_prefill_tokens"))
-        yield gauge("last_step_decode_tokens", "Decode tokens in the latest step.", get("last_step_decode_tokens"))
-        # speculative decoding (all 0 when off)
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", get("spec_draft_tokens_total"))
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", get("spec_accepted_tokens_total"))
-        yield gauge("spec_decode_acceptance_rate", "Accepted / verified draft tokens.", get("spec_acceptance_rate"))
-        yield gauge("spec_decode_mean_accepted_length", "Tokens emitted per verified sequence-step (accepted + 1).",
-                    get("spec_mean_accepted_length"))
-        yield counter("spec_decode_draft_seconds", "Time spent proposing drafts.", get("spec_draft_seconds_total"))
-        yield counter("spec_decode_verify_seconds", "Time in verify steps (forward + acceptance).",
-                      get("spec_verify_seconds_total"))
-
+        for kind, name, doc, key in _ENGINE_SERIES:
+            value = float(self._waiting()) if key is None else get(key)
+            yield (gauge if kind == "gauge" else counter)(name, doc, value)
 
 class _LoraCollector(Collector):
     """Our LoRA series: the adapters the server serves, and per adapter its running and waiting sequences."""
