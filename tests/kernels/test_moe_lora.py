@@ -120,7 +120,7 @@ def hopper_records(hopper_batch, hopper_runs) -> list[dict]:
 
 def test_compiles_for_hopper(hopper_records):
     kernels = {r["kernel"] for r in hopper_records}
-    assert {"_moe_gate_up_delta_kernel", "_lora_bgmv_kernel", "_moe_down_kernel", "_moe_sum_kernel"} <= kernels
+    assert {"_moe_gate_up_kernel", "_lora_bgmv_kernel", "_moe_down_kernel", "_moe_sum_kernel"} <= kernels
     assert_fits_hopper(hopper_records)
-    prefill = [r for r in hopper_records if "T=2048" in r["workload"] and r["kernel"] == "_moe_gate_up_delta_kernel"]
+    prefill = [r for r in hopper_records if "T=2048" in r["workload"] and r["kernel"] == "_moe_gate_up_kernel"]
     assert prefill and all(r["hgmma"] > 0 for r in prefill)  # the prefill tiles on Hopper's warp-group MMA

@@ -102,12 +102,13 @@ def fused_experts_ref(
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    num_pairs, inter, hidden, sxm, swe, swn, sbe, som,
+    x_ptr, w_ptr, b_ptr, d_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
+    num_pairs, inter, hidden, sxm, swe, swn, sbe, sdm, som,
     alpha, limit,
     TOP_K: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -119,6 +120,8 @@ def _moe_gate_up_kernel(
 
     The row tile's BLOCK_M sorted pairs share expert e = expert_ids[tile]; sentinel rows load
     zeros and are not stored. ACT: 0 SiLU-gated, 1 GPT-OSS clamped SwiGLU, 2 DeepSeek-V4's clamped SiLU.
+    HAS_DELTA (multi-LoRA on experts, ``moe_lora.py``): each pair's gate/up delta rows d[pair, n], d[pair, I + n]
+    are added to the fp32 accumulators before the bias and the activation.
     """
     pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npost_ptr):
@@ -146,6 +149,11 @@ def _moe_gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if HAS_DELTA:
+        d_ptrs = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * sdm + offs_n[None, :]
+        dmask = valid[:, None] & nmask[None, :]
+        acc_g += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
+        acc_u += tl.load(d_ptrs + inter, mask=dmask, other=0.0).to(tl.float32)
     h = gate_up_epilogue(acc_g, acc_u, b_ptr, e, sbe, inter, offs_n, nmask, alpha, limit, HAS_BIAS, ACT)
     store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
 
@@ -271,10 +279,11 @@ def _fused_experts_triton(
     gu = cfg["gate_up"]
     b13 = w13_bias.contiguous() if w13_bias is not None else w13
     _moe_gate_up_kernel[(tiles_m * triton.cdiv(inter, gu["BLOCK_N"]),)](
-        hidden, w13, b13, inter_out, sorted_ids, expert_ids, npost,
-        n_pairs, inter, h, hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), inter_out.stride(0),
+        hidden, w13, b13, w13, inter_out, sorted_ids, expert_ids, npost,  # no delta: w13 stands in, never read
+        n_pairs, inter, h, hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), 0, inter_out.stride(0),
         float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, EVEN_K=h % gu["BLOCK_K"] == 0,
+        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, HAS_DELTA=False,
+        EVEN_K=h % gu["BLOCK_K"] == 0,
         BLOCK_M=bm, GROUP_M=gm, DOT_PREC=prec, **gu,
     )
     pair_out = hidden.new_empty(n_pairs, h)

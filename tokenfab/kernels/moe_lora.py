@@ -16,8 +16,8 @@ so one expert's slice of every slot is contiguous. A base token's delta is an ex
   reference does, and takes each expert's deltas through ``lora_delta`` over that expert's slice of
   the pools, grouped by adapter inside (so the work is grouped by (adapter, expert), never per token).
 - Triton: the pools viewed as E*S adapters of the BGMV kernel (``kernels.lora``, index e*S + s per
-  pair) give the gate/up deltas of every pair; a grouped gate+up GEMM like ``moe_gemm``'s adds them
-  before the activation; the down delta of the activated rows, times the routing weight, is added to
+  pair) give the gate/up deltas of every pair; ``moe_gemm``'s grouped gate+up GEMM (HAS_DELTA) adds
+  them before the activation; the down delta of the activated rows, times the routing weight, is added to
   ``moe_gemm``'s down output rows before the per-token sum. Base tokens go the same way (zero deltas);
   a step without any adapter never comes here (the layer calls ``fused_experts``).
 """
@@ -31,23 +31,17 @@ import torch.nn.functional as F
 # _launch picks Triton's interpreter on machines without a GPU; it must run before triton loads
 from tokenfab.kernels._launch import check_device, dot_precision
 import triton
-import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import kernel_op
 from tokenfab.kernels.lora import _lora_delta_triton, lora_delta_cpu, lora_delta_ref
 from tokenfab.kernels.moe_align import _moe_align_block_size_triton
-from tokenfab.kernels.moe_common import (
-    experts_loop_ref,
-    gate_up_epilogue,
-    moe_pair_tile,
-    moe_program_tile,
-    store_pair_rows,
-)
+from tokenfab.kernels.moe_common import experts_loop_ref
 from tokenfab.kernels.moe_gemm import (
     ACTIVATIONS,
     _check_experts,
     _moe_down_kernel,
+    _moe_gate_up_kernel,
     _moe_sum_triton,
     moe_activation_ref,
     moe_config,
@@ -124,57 +118,6 @@ def fused_experts_lora_cpu(hidden, w13, w2, topk_weights, topk_ids, token_slots,
                          b_down, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, lora_delta_cpu)
 
 
-@triton.jit
-def _moe_gate_up_delta_kernel(
-    x_ptr, w_ptr, b_ptr, d_ptr, out_ptr, sorted_ptr, expert_ids_ptr, npost_ptr,
-    num_pairs, inter, hidden, sxm, swe, swn, sbe, sdm, som,
-    alpha, limit,
-    TOP_K: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """``moe_gemm._moe_gate_up_kernel`` with each pair's gate/up delta rows (d[pair, n], d[pair, I + n])
-    added to the fp32 accumulators before the bias and the activation."""
-    pid_m, pid_n = moe_program_tile(inter, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(npost_ptr):
-        return
-    pair, valid, row, e, offs_n, nmask = moe_pair_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_pairs, inter,
-                                                       TOP_K, BLOCK_M, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + row[:, None] * sxm + offs_k[None, :]
-    g_ptrs = w_ptr + e * swe + offs_n[None, :].to(tl.int64) * swn + offs_k[:, None]
-    u_ptrs = g_ptrs + inter * swn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kk in range(0, (hidden + BLOCK_K - 1) // BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = offs_k < hidden - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
-            bu = tl.load(u_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    d_ptrs = d_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * sdm + offs_n[None, :]
-    dmask = valid[:, None] & nmask[None, :]
-    acc_g += tl.load(d_ptrs, mask=dmask, other=0.0).to(tl.float32)
-    acc_u += tl.load(d_ptrs + inter, mask=dmask, other=0.0).to(tl.float32)
-    h = gate_up_epilogue(acc_g, acc_u, b_ptr, e, sbe, inter, offs_n, nmask, alpha, limit, HAS_BIAS, ACT)
-    store_pair_rows(out_ptr, som, pair, valid, offs_n, nmask, h)
-
-
 def _pair_adapters(token_slots: torch.Tensor, topk_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
     """[T*k] int32: each pair's row of the pools viewed as [E*S, ...] (e*S + s), -1 for a base token."""
     slots = token_slots.long().repeat_interleave(topk_ids.shape[1])
@@ -213,11 +156,12 @@ def _fused_experts_lora_triton(hidden, w13, w2, topk_weights, topk_ids, token_sl
     inter_out = hidden.new_empty(n_pairs, inter)
     gu = cfg["gate_up"]
     b13 = w13_bias.contiguous() if w13_bias is not None else w13
-    _moe_gate_up_delta_kernel[(tiles_m * triton.cdiv(inter, gu["BLOCK_N"]),)](
+    _moe_gate_up_kernel[(tiles_m * triton.cdiv(inter, gu["BLOCK_N"]),)](
         hidden, w13, b13, delta13, inter_out, sorted_ids, expert_ids, npost,
         n_pairs, inter, h, hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), delta13.stride(0),
         inter_out.stride(0), float(swiglu_alpha), float(swiglu_limit),
-        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, EVEN_K=h % gu["BLOCK_K"] == 0,
+        TOP_K=k, ACT=ACTIVATIONS.index(activation), HAS_BIAS=w13_bias is not None, HAS_DELTA=True,
+        EVEN_K=h % gu["BLOCK_K"] == 0,
         BLOCK_M=bm, GROUP_M=gm, DOT_PREC=prec, **gu,
     )
     tw = topk_weights.reshape(-1).float().contiguous()
