@@ -12,8 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from tests.engine.block_holders import LiveSequences, check_holders
-from tests.engine.test_block_manager import BLOCK, tokens
+from tests.engine.test_block_manager import BLOCK, BlockManagerMachine
 from tokenfab.engine.kv_transfer.connector import KVConnector
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.lora_request import LoRARequest
@@ -61,44 +60,12 @@ class FakeConnector(KVConnector):
         self.held.clear()
 
 
-class TierMachine(LiveSequences):
+class TierMachine(BlockManagerMachine):
+    """The block manager's state machine (rules, simulated KV) with a fake connector behind the manager."""
+
     def __init__(self) -> None:
-        super().__init__(BlockManager(num_blocks=12, block_size=BLOCK))
-        self.content: dict[int, list] = {}
+        super().__init__()
         self.bm.connector = FakeConnector(self.content, capacity=20)
-
-    def _compute(self, seq: Sequence, n: int) -> bool:
-        if not self.bm.allocate(seq, n):
-            return False
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            slots = self.content.setdefault(seq.block_table[pos // BLOCK], [None] * BLOCK)
-            slots[pos % BLOCK] = seq.token_ids[pos]
-        seq.num_computed_tokens += n
-        self.bm.commit_full_blocks(seq)
-        return True
-
-    def _check_hit(self, seq: Sequence, hit: int) -> None:
-        for pos in range(hit):
-            assert self.content[seq.block_table[pos // BLOCK]][pos % BLOCK] == seq.token_ids[pos]
-        assert hit < seq.num_tokens
-
-    @rule(toks=tokens)
-    def allocate(self, toks):
-        self._admit(toks)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 100), extra=tokens)
-    def append(self, i, extra):
-        self._grow(i, extra)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 100), cut=st.integers(1, 20), extra=tokens)
-    def fork_by_prefix(self, i, cut, extra):
-        self._admit_sharing(i, cut, extra)
-
-    @rule(n=st.integers(1, 12))
-    def evict_by_pressure(self, n):
-        self._admit([9] * (n * BLOCK - 1) + [8])
 
     @precondition(lambda self: self.bm.connector.held)
     @rule(i=st.integers(0, 100))
@@ -108,8 +75,7 @@ class TierMachine(LiveSequences):
         self.bm.connector.fail.add(held[i % len(held)])
 
     @invariant()
-    def bookkeeping(self):
-        check_holders(self.bm, self.live)
+    def nothing_left_unsaved(self):
         assert not self.bm._evicted  # every eviction handed to the connector within its call
 
 
