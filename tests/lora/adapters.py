@@ -44,3 +44,45 @@ def merged_greedy(base, adapter: Path | None, prompts: list[list[int]], max_new_
                                  pad_token_id=0, eos_token_id=None)
             out.append(gen[0, len(ids):].tolist())
     return out
+
+
+def run_greedy(engine, jobs: list, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each (prompt ids, LoRARequest or None) job, all added to ``engine`` before its first step
+    (so they share batches), in the jobs' order."""
+    from tokenfab.engine.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, (ids, lora) in enumerate(jobs):
+        engine.add_request(f"r{i}", ids, params, lora_request=lora)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return [out[f"r{i}"] for i in range(len(jobs))]
+
+
+def assert_prompt_logprobs_equal_peft_merged(engine, base, prompt: list[int], jobs: dict) -> None:
+    """``jobs``: request id -> LoRARequest or None, all on ``prompt`` in one engine run; each request's prompt
+    logprobs within 1e-4 of transformers with that adapter merged by PEFT (fp32)."""
+    import peft
+    import pytest
+
+    from tokenfab.engine.requests.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    for rid, lora in jobs.items():
+        engine.add_request(rid, prompt, params, lora_request=lora)
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.prompt_logprobs
+    for rid, lora in jobs.items():
+        model = base if lora is None else peft.PeftModel.from_pretrained(
+            copy.deepcopy(base), lora.lora_path).merge_and_unload()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+        mine = [got[rid][i][prompt[i]].logprob for i in range(1, len(prompt))]
+        assert mine == pytest.approx(want, abs=1e-4), rid

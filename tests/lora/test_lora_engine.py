@@ -4,13 +4,11 @@ between adapters; host LRU eviction; bad adapters refused before anything is que
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.lora.adapters import merged_greedy
+from tests.lora.adapters import assert_prompt_logprobs_equal_peft_merged, merged_greedy, run_greedy
 from tokenfab import LLM
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.lora_request import LoRARequest
@@ -30,15 +28,7 @@ def _engine(base_dir: str, **kw) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, jobs: list[tuple[list[int], LoRARequest | None]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
-    for i, (ids, lora) in enumerate(jobs):
-        engine.add_request(f"r{i}", ids, params, lora_request=lora)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return [out[f"r{i}"] for i in range(len(jobs))]
+    return run_greedy(engine, jobs, N_NEW)
 
 
 def _req(adapters, name: str, int_id: int) -> LoRARequest:
@@ -140,24 +130,8 @@ def test_prompt_logprobs_equal_peft_merged(lora_setup):
     with the adapter merged by PEFT (fp32)."""
     base_dir, base, adapters = lora_setup
     engine = _engine(base_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    prompt = PROMPTS[2]
     jobs = {"b": None, "x": _req(adapters, "x", 1), "z": _req(adapters, "z", 3)}
-    for rid, lora in jobs.items():
-        engine.add_request(rid, prompt, params, lora_request=lora)
-    got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = o.prompt_logprobs
-    for rid, lora in jobs.items():
-        model = base if lora is None else peft.PeftModel.from_pretrained(
-            copy.deepcopy(base), lora.lora_path).merge_and_unload()
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-        want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
-        mine = [got[rid][i][prompt[i]].logprob for i in range(1, len(prompt))]
-        assert mine == pytest.approx(want, abs=1e-4), rid
+    assert_prompt_logprobs_equal_peft_merged(engine, base, PROMPTS[2], jobs)
 
 
 def test_mixed_batch_through_the_triton_kernels(lora_setup, references, monkeypatch):

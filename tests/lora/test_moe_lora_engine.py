@@ -7,14 +7,13 @@ the LoRA experts' path."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.lora.adapters import merged_greedy
+from tests.lora.adapters import assert_prompt_logprobs_equal_peft_merged, merged_greedy, run_greedy
 from tests.lora.moe_adapters import EXPERT_PARAMS, make_moe_peft_adapter, per_expert_copy
 from tests.moe_tiny_models import tiny_moe_config
 from tests.tiny_models import save_tiny_model
@@ -69,15 +68,7 @@ def _req(adapters, name: str) -> LoRARequest:
 
 
 def _run(engine: LLMEngine, jobs: list[tuple[list[int], LoRARequest | None]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
-    for i, (ids, lora) in enumerate(jobs):
-        engine.add_request(f"r{i}", ids, params, lora_request=lora)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return [out[f"r{i}"] for i in range(len(jobs))]
+    return run_greedy(engine, jobs, N_NEW)
 
 
 def test_peft_writes_the_3d_expert_layout(moe_setup):
@@ -129,24 +120,8 @@ def test_per_expert_layout_equals_the_3d_layout(moe_setup, references):
 def test_prompt_logprobs_equal_peft_merged(moe_setup):
     base_dir, base, adapters = moe_setup
     engine = _engine(base_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    prompt = PROMPTS[2]
     jobs = {"b": None, "e": _req(adapters, "e"), "ea": _req(adapters, "ea"), "d": _req(adapters, "d")}
-    for rid, lora in jobs.items():
-        engine.add_request(rid, prompt, params, lora_request=lora)
-    got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = o.prompt_logprobs
-    for rid, lora in jobs.items():
-        model = base if lora is None else peft.PeftModel.from_pretrained(
-            copy.deepcopy(base), lora.lora_path).merge_and_unload()
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-        want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
-        mine = [got[rid][i][prompt[i]].logprob for i in range(1, len(prompt))]
-        assert mine == pytest.approx(want, abs=1e-4), rid
+    assert_prompt_logprobs_equal_peft_merged(engine, base, PROMPTS[2], jobs)
 
 
 def test_mixed_batch_through_the_triton_kernels(moe_setup, references, monkeypatch):

@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 from safetensors import safe_open
 
-from tests.lora.adapters import merged_greedy
+from tests.lora.adapters import merged_greedy, run_greedy
 from tests.lora.moe_adapters import EXPERT_PARAMS, make_moe_peft_adapter, per_expert_copy
 from tests.models.test_deepseek import save_tiny_deepseek
 from tests.moe_tiny_models import tiny_moe_config
 from tests.tiny_models import save_tiny_model
 from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.engine.requests.lora_request import LoRARequest
-from tokenfab.engine.requests.sampling_params import SamplingParams
 
 pytest.importorskip("peft")
 
@@ -33,6 +32,15 @@ FAMILIES = {
     "mixtral": ("num_local_experts", "intermediate_size", ("w1", "w3", "w2"), "block_sparse_moe", True),
     "qwen2_moe": ("num_experts", "moe_intermediate_size", ("gate_proj", "up_proj", "down_proj"), None, False),
 }
+
+
+def _assert_mixed_batch_equals(engine: LLMEngine, loras: dict, refs: dict) -> None:
+    """Every prompt under every adapter (name -> LoRARequest or None) in one run: each request's greedy tokens
+    equal ``refs[name][prompt index]``."""
+    jobs = [(p, n) for p in PROMPTS for n in loras]
+    got = run_greedy(engine, [(p, loras[n]) for p, n in jobs], N_NEW)
+    for (p, n), tokens in zip(jobs, got):
+        assert tokens == refs[n][PROMPTS.index(p)], (n, PROMPTS.index(p))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -53,17 +61,7 @@ def test_expert_adapters_mixed_equal_peft_merged(family, tmp_path):
     engine = LLMEngine(model=str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
                        max_lora_rank=8, num_kv_blocks=64, block_size=4)
     loras = {"b": None, "e": LoRARequest("e", 1, str(e)), "pe": LoRARequest("pe", 2, str(pe))}
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
-    jobs = [(f"{n}{i}", p, n) for i, p in enumerate(PROMPTS) for n in loras]
-    for rid, p, n in jobs:
-        engine.add_request(rid, p, params, lora_request=loras[n])
-    got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = list(o.outputs[0].token_ids)
-    for rid, p, n in jobs:
-        assert got[rid] == refs[n][PROMPTS.index(p)], rid
+    _assert_mixed_batch_equals(engine, loras, refs)
 
 
 def test_qwen2_moe_shared_expert_and_dense_mlp_adapter_equals_peft_merged(tmp_path):
@@ -80,17 +78,7 @@ def test_qwen2_moe_shared_expert_and_dense_mlp_adapter_equals_peft_merged(tmp_pa
     assert want["s"] != want["b"]
     engine = LLMEngine(model=str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=1,
                        max_lora_rank=4, num_kv_blocks=64, block_size=4)
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
-    jobs = [(f"{n}{i}", p, n) for i, p in enumerate(PROMPTS) for n in want]
-    for rid, p, n in jobs:
-        engine.add_request(rid, p, params, lora_request=None if n == "b" else LoRARequest("s", 1, str(s)))
-    got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = list(o.outputs[0].token_ids)
-    for rid, p, n in jobs:
-        assert got[rid] == want[n][PROMPTS.index(p)], rid
+    _assert_mixed_batch_equals(engine, {n: None if n == "b" else LoRARequest("s", 1, str(s)) for n in want}, want)
 
 
 def test_deepseek_v3_expert_adapter_equals_peft_merged(tmp_path):
@@ -103,14 +91,4 @@ def test_deepseek_v3_expert_adapter_equals_peft_merged(tmp_path):
     engine = LLMEngine(model=str(tmp_path / "base"), device="cpu", dtype="float32", enable_lora=True, max_loras=1,
                        max_lora_rank=4, num_kv_blocks=64, block_size=4)
     assert sorted(engine.lora.targets["moe"]) == ["model.layers.1.mlp", "model.layers.2.mlp"]
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
-    jobs = [(f"{n}{i}", p, n) for i, p in enumerate(PROMPTS) for n in want]
-    for rid, p, n in jobs:
-        engine.add_request(rid, p, params, lora_request=None if n == "b" else LoRARequest("a", 1, str(a)))
-    got = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = list(o.outputs[0].token_ids)
-    for rid, p, n in jobs:
-        assert got[rid] == want[n][PROMPTS.index(p)], rid
+    _assert_mixed_batch_equals(engine, {n: None if n == "b" else LoRARequest("a", 1, str(a)) for n in want}, want)
