@@ -1,8 +1,10 @@
-"""Compile DeepSeek-V4's attention core and indexer (``kernels/dsv4_attention.py``) for sm_90 without a GPU.
+"""Compile DeepSeek-V4's attention core, indexer and KV compressor (``kernels/dsv4_attention.py``,
+``kernels/dsv4_compressor.py``) for sm_90 without a GPU.
 
 At the dispatcher's config (``hopper_harness.py``): 64 heads of 512 (V4-Flash), a 128-token window and 512
 indexer picks (CSA) or 1024 visible entries (HCA at 128k); the indexer's 64 heads of 128 over 32k entries;
-bf16 and a float32 twin, decode and prefill batches.
+the compressors at 512 (CSA's 8 slots, HCA's 128) and the indexer's at 128, a 64-channel RoPE; bf16 and a
+float32 twin, decode and prefill batches.
 
     TRITON_INTERPRET=0 python tests/kernels/dsv4_hopper_compile.py --json out.json --markdown
 """
@@ -43,8 +45,24 @@ def _index(dtype: torch.dtype, t: int, entries: int) -> None:
         torch.empty(t, entries, dtype=torch.int64), D)
 
 
+def _compress(dtype: torch.dtype, w: int, d: int, ratio: int, overlap: bool) -> None:
+    from tokenfab.kernels import dsv4_compressor
+
+    s = ratio * (2 if overlap else 1)
+    row = D + 2 * 2 * D + 2 * 2 * 128  # a CSA layer's token row: kv, the compressor's C and Z, the indexer's
+    dsv4_compressor._dsv4_compress_triton(
+        torch.empty(4096, row, dtype=dtype), torch.empty(w, s, dtype=torch.int64), torch.empty(8192, row, dtype=dtype),
+        torch.empty(w, s, dtype=torch.int64), torch.empty(w, dtype=torch.int64), D, d, ratio, overlap,
+        torch.empty(d), torch.empty(32), 1.0, 1e-6)
+
+
 def _workloads() -> list[tuple[str, Callable[[], None]]]:
     return [
+        ("dsv4 compressor bf16 decode W64 CSA d512", lambda: _compress(BF16, 64, D, 4, True)),
+        ("dsv4 compressor bf16 prefill W512 HCA d512", lambda: _compress(BF16, 512, D, 128, False)),
+        ("dsv4 compressor bf16 prefill W1024 indexer d128", lambda: _compress(BF16, 1024, 128, 4, True)),
+        ("dsv4 compressor fp32 decode W8 CSA d512", lambda: _compress(F32, 8, D, 4, True)),
+        ("dsv4 compressor fp32 prefill W64 HCA d512", lambda: _compress(F32, 64, D, 128, False)),
         ("dsv4 attention bf16 decode T64 CSA top-512", lambda: _attend(BF16, 64, 512)),
         ("dsv4 attention bf16 prefill T2048 HCA 1024 entries", lambda: _attend(BF16, 2048, 1024)),
         ("dsv4 attention fp32 decode T8 CSA top-512", lambda: _attend(F32, 8, 512)),
@@ -54,9 +72,9 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 
 
 def kernel_modules() -> list:
-    from tokenfab.kernels import dsv4_attention
+    from tokenfab.kernels import dsv4_attention, dsv4_compressor
 
-    return [dsv4_attention]
+    return [dsv4_attention, dsv4_compressor]
 
 
 def compile_all(only: str | None = None, quick: bool = False) -> list[dict]:

@@ -76,15 +76,15 @@ def hopper_runs(request) -> list:
 
 
 def test_hopper_compile(hopper_batch, hopper_runs):
-    """The kernel compiles for sm_90 at DeepSeek-V4's sizes: no spills, registers and shared memory in budget,
-    tensor-core MMAs for bf16."""
+    """The kernels compile for sm_90 at DeepSeek-V4's sizes: no spills, registers and shared memory in budget,
+    tensor-core MMAs for bf16 (the attention and the indexer; the compressor has no matrix product)."""
     from tests.kernels.hopper_harness import H100_MAX_SHARED
 
     records = hopper_batch(hopper_runs)
-    assert {r["kernel"] for r in records} >= {"_dsv4_attention_kernel", "_dsv4_index_kernel"}
+    assert {r["kernel"] for r in records} >= {"_dsv4_attention_kernel", "_dsv4_index_kernel", "_dsv4_compress_kernel"}
     for r in records:
         assert not r["local"] and not r["stack"], r
         assert r["shared"] <= H100_MAX_SHARED, r
         assert r["registers"] * 32 * r["num_warps"] <= 65536, r
-        if "bf16" in r["workload"]:
+        if "bf16" in r["workload"] and r["kernel"] != "_dsv4_compress_kernel":
             assert r["hmma"] + r["hgmma"] > 0, r

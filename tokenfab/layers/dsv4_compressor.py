@@ -34,6 +34,7 @@ from torch import nn
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.kernels import store_latent
 from tokenfab.kernels.dsv4_attention import dsv4_index_topk
+from tokenfab.kernels.dsv4_compressor import dsv4_compress, interleaved_rope
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.rotary import _llama3_inv_freq, _yarn_inv_freq
@@ -62,17 +63,7 @@ class InterleavedRope(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x [N, ..., d] rotated at positions [N] (``inverse``: by -angle)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
-        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        rd = self.rotary_dim
-        rope = x[..., -rd:].float()
-        x0, x1 = rope[..., 0::2], rope[..., 1::2]
-        rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+        return interleaved_rope(x, positions, self.inv_freq, self.scale, inverse)
 
 
 @dataclass
@@ -131,20 +122,19 @@ class Compressor(nn.Module):
         gate = self.wgate(x) + self.ape[positions % self.ratio].to(x.dtype)
         return torch.cat((self.wkv(x), gate), dim=-1)
 
-    def compress(self, cur: torch.Tensor, prev: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
-        """Rows of W windows: ``cur`` [W, m, 2 width] (window w), ``prev`` (window w-1, CSA only; ignored
-        where w == 0) -> the entries [W, head_dim], rotated at position w m."""
-        d, width = self.head_dim, self.width
-        kv, gate = cur[..., :width], cur[..., width:]
+    def compress(self, rows: TokenRows, slots: torch.Tensor, seq: torch.Tensor, window: torch.Tensor,
+                 row_offset: int) -> torch.Tensor:
+        """The entries [W, head_dim] of windows ``window`` [W] of sequences ``seq`` [W], pooled from the token rows
+        at positions ``slots`` [W, S] (CSA: window w-1's m positions, then window w's; those of window -1 read
+        nothing), ``comp``'s C and Z at columns ``row_offset`` onward, rotated at position w m
+        (``kernels.dsv4_compressor.dsv4_compress``: Triton, or the PyTorch reference)."""
+        new_row, ring_row = rows.split(slots, seq.unsqueeze(1))
         if self.overlap:
-            assert prev is not None
-            first = (window == 0).view(-1, 1, 1)
-            prev_kv = prev[..., :d].masked_fill(first, 0.0)
-            prev_gate = prev[..., width:width + d].masked_fill(first, float("-inf"))
-            kv = torch.cat((prev_kv, kv[..., d:]), dim=1)
-            gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-        return self._rope[0](self.norm(pooled), window * self.ratio)
+            none = (window == 0).unsqueeze(1) & (torch.arange(slots.shape[1], device=slots.device) < self.ratio)
+            new_row, ring_row = new_row.masked_fill(none, -1), ring_row.masked_fill(none, -1)
+        rope = self._rope[0]
+        return dsv4_compress(rows.new, new_row, rows.ring, ring_row, window, row_offset, self.head_dim, self.ratio,
+                             self.overlap, self.norm.weight, rope.inv_freq, rope.scale, self.norm.eps)
 
 
 class TokenRows:
@@ -169,11 +159,6 @@ class TokenRows:
         ring_row = self.slot[seq] * self.ring_len + q % self.ring_len
         return torch.where(local, new_row, -1), torch.where(local, -1, ring_row)
 
-    def fetch(self, q: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        new_row, ring_row = self.split(q, seq)
-        return torch.where((new_row >= 0).unsqueeze(-1), self.new[new_row.clamp(min=0)],
-                           self.ring[ring_row.clamp(min=0)].to(self.new.dtype))
-
     def store(self, ring: torch.Tensor) -> None:
         """After the layer has read everything: each chunk's last R rows into its ring (no host sync)."""
         seq, pos = self.seq_of_token, self.positions
@@ -196,11 +181,9 @@ def close_windows(comp: Compressor, rows: TokenRows, row_offset: int, every_toke
     if not every_token and ends.numel() == 0:
         return seq, window, rows.new.new_zeros(0, comp.head_dim), closing[ends]
     span = torch.arange(m, device=positions.device)
-    cols = slice(row_offset, row_offset + comp.row_width)
     start = torch.minimum((window * m).unsqueeze(1) + span, last.unsqueeze(1))  # [W, m], never past the token
-    cur = rows.fetch(start, seq.unsqueeze(1))[..., cols]
-    prev = rows.fetch((start - m).clamp(min=0), seq.unsqueeze(1))[..., cols] if comp.overlap else None
-    return seq, window, comp.compress(cur, prev, window), closing[ends]
+    slots = torch.cat(((start - m).clamp(min=0), start), dim=1) if comp.overlap else start
+    return seq, window, comp.compress(rows, slots, seq, window, row_offset), closing[ends]
 
 
 class LightningIndexer(nn.Module):
