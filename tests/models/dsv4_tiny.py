@@ -42,3 +42,37 @@ def save_tiny_dsv4(path: Path, seed: int = 0, **overrides: Any):
                 buf.copy_(picks[:, : buf.shape[1]])
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def save_tiny_dsv4_mtp(path: Path, layer_type: str = "sliding_attention", seed: int = 1):
+    """Add DeepSeek-V4's MTP layer to a tiny checkpoint in ``path`` in DeepSeek's official layout (``mtp.0.*`` in
+    its own shard, ``mtp.safetensors``): the block of a one-layer transformers DeepseekV4ForCausalLM whose layer
+    is of ``layer_type`` (random, saved by transformers and renamed from ``model.layers.0.`` to ``mtp.0.``),
+    plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and ``hc_head_{fn,base,scale}``. No embedding or
+    head of its own: DeepSeek's MTP shares the target's. Returns (the one-layer transformers model, whose
+    ``model.layers[0]`` is the block, the extra tensors by their official names)."""
+    import tempfile
+
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**{**DSV4_TINY, "num_hidden_layers": 1, "layer_types": [layer_type],
+                                              "mlp_layer_types": ["moe"]})
+    block_model = randomize_(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    d, n = config.hidden_size, config.hc_mult
+    extras = {"e_proj.weight": 0.2 * torch.randn(d, d), "h_proj.weight": 0.2 * torch.randn(d, d),
+              "enorm.weight": 1 + 0.2 * torch.randn(d), "hnorm.weight": 1 + 0.2 * torch.randn(d),
+              "norm.weight": 1 + 0.2 * torch.randn(d), "hc_head_fn": 0.2 * torch.randn(n, n * d),
+              "hc_head_base": 0.2 * torch.randn(n), "hc_head_scale": 1 + 0.2 * torch.randn(1)}
+    tensors = {f"mtp.0.{k}": v for k, v in extras.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        block_model.save_pretrained(tmp, safe_serialization=True)
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as s:
+                for k in s.keys():
+                    if k.startswith("model.layers.0."):
+                        tensors["mtp.0." + k.removeprefix("model.layers.0.")] = s.get_tensor(k)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "mtp.safetensors"))
+    return block_model, extras

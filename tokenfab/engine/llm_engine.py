@@ -93,7 +93,8 @@ class LLMEngine:
         self.memory = log_memory_figures(self.model, self.dtype, copies)
         # hybrid cache: per-sequence recurrent-state slots beside the paged KV (0: none; docs/hybrid-cache.md)
         self.num_state_slots = num_state_slots_for(self.model, args.num_state_slots, args.max_num_seqs,
-                                                   args.tensor_parallel_size, spec_config is not None)
+                                                   args.tensor_parallel_size,
+                                                   spec_config.num_speculative_tokens if spec_config else 0)
         # their prefix caching: state snapshots at block boundaries (0: prefix caching off for this model)
         snapshots = args.num_state_snapshots if args.num_state_snapshots is not None else self.num_state_slots
         self.num_state_snapshots = snapshots if self.num_state_slots and args.enable_prefix_caching else 0

@@ -126,7 +126,20 @@ class DeepseekV4Attention(nn.Module):
 
     def recurrent_state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The per-sequence ring of token rows (``runner/state_cache.py`` binds [slots + 1, *shape])."""
-        return {"ring": ((self.token_rows_read(), self.token_width), self.wkv.weight.dtype)}
+        return {"ring": ((self.token_rows_read() + self.speculative_rows, self.token_width), self.wkv.weight.dtype)}
+
+    #: Extra ring rows for speculative decoding (``reserve_speculative_rows``); 0 without it.
+    speculative_rows: int = 0
+
+    def reserve_speculative_rows(self, k: int) -> None:
+        """Make the ring safe for verifying up to ``k`` drafts (before the runner binds it). The ring is positional
+        (position p at row p mod R), so nothing is folded into a state: a verify step writes the rows of its last
+        real token and k drafts, and a rejected draft's row is written again when that position is recomputed.
+        What must not happen is a rejected row overwriting a row a later step still reads; with R = (rows read) + k
+        the oldest position a step can read, q - rows read (q >= the first rejected position), is never the
+        slot of a position up to q - 1 + k. Compressed entries closed by a rejected draft are rewritten the same
+        way before any query can see them (only windows complete at a query's position are visible)."""
+        self.speculative_rows = max(self.speculative_rows, int(k))
 
     # ------------------------------------------------------------------ forward
 

@@ -16,7 +16,8 @@ Checkpoint names (DeepSeek's own layout, which transformers' ``save_pretrained``
 (or ``model.embed_tokens.weight``), ``layers.{i}.{attn,ffn,attn_norm,ffn_norm,hc_attn_*,hc_ffn_*}``,
 ``ffn.gate.{weight,bias,tid2eid}``, ``ffn.experts.{e}.{w1,w2,w3}``, ``ffn.shared_experts.{w1,w2,w3}``,
 ``norm``, ``head``, ``hc_head_{fn,base,scale}``, an optional ``model.`` prefix. The MTP layers (``mtp.*``)
-are kept aside in ``mtp_weights`` (not used by generation yet).
+are kept aside in ``mtp_weights``: the speculative proposer builds its layer from them
+(``tokenfab/speculative/dsv4_mtp.py``), fed the streams of ``forward_streams``.
 """
 
 from __future__ import annotations
@@ -130,7 +131,36 @@ _RENAMES = [
     (re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
     (re.compile(r"\.ffn\.gate\.bias$"), ".ffn.e_score_correction_bias"),
     (re.compile(r"\.ffn\.gate\.tid2eid$"), ".ffn.tid2eid"),
+    (re.compile(r"\.attn\.kv_norm\."), ".attn.norm."),  # DeepSeek's module name for the KV RMSNorm
 ]
+
+
+def v4_parameter_name(name: str) -> str:
+    """Our parameter name for a checkpoint name in DeepSeek's layout (prefix already dropped)."""
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def load_v4_tensor(module: nn.Module, config: Any, name: str, tensor: torch.Tensor) -> list[str] | None:
+    """The ``load_checkpoint_tensor`` hook of a module holding V4 blocks: the hash table ``tid2eid`` (checked)
+    and per-expert tensors; None for the rest (plain parameters)."""
+    if name.endswith(".ffn.tid2eid"):
+        param = module.get_parameter(name)
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        if int(tensor.min()) < 0 or int(tensor.max()) >= config.n_routed_experts:
+            raise ValueError(f"tensor {name} names experts outside 0..{config.n_routed_experts - 1}")
+        param.data.copy_(tensor)
+        return [name]
+    return load_expert_checkpoint_tensor(module, name, tensor)
+
+
+def sequence_of_token(batch: ForwardBatch) -> torch.Tensor:
+    """[T] the batch row (sequence) of each token."""
+    q_lens = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).long()
+    return torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
+                                   output_size=batch.num_tokens)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -153,14 +183,20 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, D] of every token of the batch."""
-        q_lens = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).long()
-        seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
-                                               output_size=batch.num_tokens)
+        return self.final_hidden(self.forward_streams(batch))
+
+    def forward_streams(self, batch: ForwardBatch) -> torch.Tensor:
+        """The hc_mult residual streams [T, n, D] after the last layer (what the MTP layer reads)."""
+        seq_of_token = sequence_of_token(batch)
         e = self.embed(batch.input_ids)
         h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             h = layer(h, batch, seq_of_token)
-        return self.norm(self.hc_head(h))
+        return h
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [T, n, D] -> the hidden states [T, D] the head reads."""
+        return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
@@ -173,23 +209,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         if name == "lm_head.weight":
             return "head.weight"
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return v4_parameter_name(name)
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
         if name.startswith(("mtp.", "model.mtp.")):
             self.mtp_weights[name] = tensor.detach().to("cpu")
             return []
-        if name.endswith(".ffn.tid2eid"):
-            param = self.get_parameter(name)
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            if int(tensor.min()) < 0 or int(tensor.max()) >= self.config.n_routed_experts:
-                raise ValueError(f"tensor {name} names experts outside 0..{self.config.n_routed_experts - 1}")
-            param.data.copy_(tensor)
-            return [name]
-        return load_expert_checkpoint_tensor(self, name, tensor)
+        return load_v4_tensor(self, self.config, name, tensor)
 
     #: integer checkpoint tensors this model takes itself (the loader offers them to load_checkpoint_tensor)
     integer_checkpoint_tensors = ("tid2eid",)

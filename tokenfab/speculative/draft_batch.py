@@ -33,6 +33,9 @@ class TableRows:
         width = max(len(s.block_table) for s in seqs)
         self.tables_host = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         self.tables = torch.tensor(self.tables_host, dtype=torch.int32).view(len(seqs), width).to(device)
+        # hybrid cache: the target's state slots (a draft module with per-sequence state uses the same rows)
+        slots = [s.state_slot for s in seqs]
+        self.slots = torch.tensor(slots, dtype=torch.int32).to(device) if min(slots) >= 0 else None
 
     def batch(self, which: list[int], starts: list[int], counts: list[int], input_ids: torch.Tensor,
               logits_rows: list[int] | None = None) -> ForwardBatch:
@@ -63,6 +66,7 @@ class TableRows:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
             max_query_len=max(counts),
             max_context_len=max(ctx),
+            state_slots=None if self.slots is None else self.slots.index_select(0, idx),
         )
 
 

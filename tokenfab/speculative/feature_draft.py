@@ -31,12 +31,15 @@ import torch
 
 from tokenfab.engine.requests.sequence import Sequence
 from tokenfab.engine.runner.model_runner import ModelRunner
+from tokenfab.engine.runner.state_cache import recurrent_state_layers
 from tokenfab.forward_batch import ForwardBatch
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.loader.model_loader import text_config
+from tokenfab.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tokenfab.speculative.config import SpeculativeConfig
 from tokenfab.speculative.draft_batch import TableRows, any_sampled, pick_drafts
 from tokenfab.speculative.draft_cache import OwnCacheDraft
+from tokenfab.speculative.dsv4_mtp import load_dsv4_mtp
 from tokenfab.speculative.eagle3 import aux_layer_ids, load_eagle3, target_forward_with_aux
 from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
 from tokenfab.speculative.target import TargetEngine
@@ -219,6 +222,9 @@ class MtpProposer(FeatureDraftProposer):
         if config.model:
             raise ValueError('speculative_config.model must be empty for method "mtp": the MTP layer comes from '
                              "the target's checkpoint")
+        if isinstance(engine.model, DeepseekV4ForCausalLM):  # mtp.{j}.* in DeepSeek's layout (dsv4_mtp.py)
+            self._load_dsv4(config, engine)
+            return
         if num_mtp_layers(engine.config) < 1 or not getattr(engine.model, "mtp_weights", None):
             raise ValueError('speculative_config.method "mtp": the target checkpoint has no MTP layer '
                              "(num_nextn_predict_layers = 0 or no weights past num_hidden_layers)")
@@ -227,7 +233,18 @@ class MtpProposer(FeatureDraftProposer):
         except ModelLoadError as e:
             raise ValueError(f'speculative_config.method "mtp": {e}') from None
 
+    def _load_dsv4(self, config: SpeculativeConfig, engine: TargetEngine) -> None:
+        try:
+            self.module = self.layer = load_dsv4_mtp(engine.model, str(engine.args.model), engine.dtype, engine.device)
+        except ModelLoadError as e:
+            raise ValueError(f'speculative_config.method "mtp": {e}') from None
+        for m in recurrent_state_layers(self.layer):  # its ring also takes the rows of rejected drafts
+            m.reserve_speculative_rows(config.num_speculative_tokens)
+
     def target_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        own = getattr(self.layer, "target_forward", None)  # DeepSeek-V4: the features are the residual streams
+        if own is not None:
+            return own(self.engine.model, fb)
         hidden = self.engine.model(fb)
         return hidden, hidden
 
