@@ -71,8 +71,10 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_tiny_hybrid(family: str, path: Path, seed: int = 0, **overrides: Any) -> Any:
-    """Build the transformers model (random fp32 weights), save it in the family's official layout, return it."""
+def save_tiny_hybrid(family: str, path: Path, seed: int = 0, mtp_placeholder: bool = True, **overrides: Any) -> Any:
+    """Build the transformers model (random fp32 weights), save it in the family's official layout, return it.
+    ``mtp_placeholder``: Qwen3.5-MoE's released layout gets two ``mtp.*`` tensors (kept aside at load, unused
+    without MTP speculation); a full MTP layer comes from ``tests/models/hybrid_mtp.py`` instead."""
     import transformers
     from safetensors.torch import load_file, save_file
 
@@ -84,8 +86,9 @@ def save_tiny_hybrid(family: str, path: Path, seed: int = 0, **overrides: Any) -
     if family == "qwen3_5_moe":  # the released layout: stacked experts, an MTP layer aside
         file = Path(path) / "model.safetensors"
         tensors = _stack_experts(load_file(str(file)))
-        tensors["mtp.fc.weight"] = torch.randn(64, 128)
-        tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+        if mtp_placeholder:
+            tensors["mtp.fc.weight"] = torch.randn(64, 128)
+            tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
         save_file(tensors, str(file), metadata={"format": "pt"})
     return model
 

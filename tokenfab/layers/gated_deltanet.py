@@ -32,6 +32,7 @@ into the merged ``in_proj_qkvz`` and ``in_proj_ba`` by the model's ``packed_modu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,6 +99,9 @@ class GatedDeltaNet(nn.Module):
         # bound by the model runner: [num_state_slots, *shape] (recurrent_state_spec)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # speculative decoding: called with (self, x, batch) first in each forward to keep the verify rows'
+        # inputs, which a rejected draft's rollback replays (speculative/state_rollback.py); None: off
+        self.input_tap: Callable[[nn.Module, torch.Tensor, ForwardBatch], None] | None = None
 
     def recurrent_state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-sequence state tensors: name -> (shape of one slot, dtype)."""
@@ -109,6 +113,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; reads and writes the slots of ``batch.state_slots``."""
         assert self.ssm_state is not None and self.conv_state is not None, "recurrent state not bound"
+        if self.input_tap is not None:
+            self.input_tap(self, x, batch)
         t = x.shape[0]
         slots = batch.state_slots
         cu = batch.cu_seqlens_q

@@ -15,7 +15,8 @@ Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration): ``text_co
 config and the weights sit under ``model.language_model.*`` beside the vision tower ``model.visual.*`` and
 ``lm_head.weight``; MoE experts stacked (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
 We serve the text model: the vision tower is skipped at load (never materialised; a warning says so),
-image inputs are refused by the request schema, and the MTP layer (``mtp.*``) is skipped.
+image inputs are refused by the request schema, and the MTP layer (``mtp.*``, top level) is kept aside for MTP
+speculative decoding (``speculative/qwen_mtp.py``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ Checkpoint names: ``model.layers.{i}.linear_attn.{in_proj_qkvz,in_proj_ba,conv1d
 out_proj}`` (Qwen3-Next's qkvz/ba rows grouped per key head, reordered at load) or
 ``self_attn.{q,k,v,o}_proj`` + ``q_norm``/``k_norm``; experts per expert (``mlp.experts.{e}.*``) or stacked
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); ``mlp.shared_expert.*``,
-``mlp.shared_expert_gate``. The multi-token-prediction layer (``mtp.*``) is skipped: tokenfab does not use
-it (no MTP speculation for these models).
+``mlp.shared_expert_gate``. The multi-token-prediction layer (``mtp.*``) is kept aside at load
+(``mtp_weights``, on the CPU, off the forward path) for MTP speculative decoding (``speculative/qwen_mtp.py``).
 """
 
 from __future__ import annotations
@@ -130,10 +130,11 @@ class HybridCausalLM(MoECausalLM):
             return HybridDecoderLayer(config, mixer, make_mlp(i), linear)
 
         super().__init__(config, make_layer)
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # mtp.* as loaded (speculative/qwen_mtp.py)
 
     def remap_checkpoint_name(self, name: str) -> str | None:
-        if name.startswith("mtp."):  # the multi-token-prediction layer: not used (module docstring)
-            return None
+        if name.startswith("mtp."):  # the multi-token-prediction layer: kept by load_checkpoint_tensor
+            return name
         for key in (".linear_attn.in_proj_qkvz.", ".linear_attn.in_proj_ba."):
             if key in name:
                 self._check_plain_projection(name, name[: name.index(key) + len(key) - 1])
@@ -151,6 +152,9 @@ class HybridCausalLM(MoECausalLM):
                              "rows grouped per key head) are not supported yet; use the unquantized checkpoint")
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> list[str] | None:
+        if name.startswith("mtp."):
+            self.mtp_weights[name] = tensor.detach().to("cpu")
+            return []
         if is_zero_centred_norm(name):
             param = self._param(name, tensor.shape)
             param.copy_(tensor.float() + 1.0)

@@ -42,6 +42,7 @@ from tokenfab.speculative.draft_cache import OwnCacheDraft
 from tokenfab.speculative.dsv4_mtp import load_dsv4_mtp
 from tokenfab.speculative.eagle3 import aux_layer_ids, load_eagle3, target_forward_with_aux
 from tokenfab.speculative.mtp import load_mtp, num_mtp_layers
+from tokenfab.speculative.qwen_mtp import load_qwen_mtp
 from tokenfab.speculative.target import TargetEngine
 
 
@@ -225,11 +226,18 @@ class MtpProposer(FeatureDraftProposer):
         if isinstance(engine.model, DeepseekV4ForCausalLM):  # mtp.{j}.* in DeepSeek's layout (dsv4_mtp.py)
             self._load_dsv4(config, engine)
             return
-        if num_mtp_layers(engine.config) < 1 or not getattr(engine.model, "mtp_weights", None):
+        weights = getattr(engine.model, "mtp_weights", None)
+        qwen = any(k.startswith("mtp.") for k in weights or ())  # Qwen3-Next / Qwen3.5: mtp.* (qwen_mtp.py)
+        if not weights or (not qwen and num_mtp_layers(engine.config) < 1):
             raise ValueError('speculative_config.method "mtp": the target checkpoint has no MTP layer '
-                             "(num_nextn_predict_layers = 0 or no weights past num_hidden_layers)")
+                             "(num_nextn_predict_layers = 0, or no weights past num_hidden_layers / no mtp.* "
+                             "tensors)")
         try:
-            self.module = self.layer = load_mtp(engine.model, dtype=engine.dtype, device=engine.device)
+            if qwen:
+                self.module = self.layer = load_qwen_mtp(engine.model, engine.dtype, engine.device,
+                                                         engine.max_model_len)
+            else:
+                self.module = self.layer = load_mtp(engine.model, dtype=engine.dtype, device=engine.device)
         except ModelLoadError as e:
             raise ValueError(f'speculative_config.method "mtp": {e}') from None
 

@@ -53,6 +53,7 @@ from tokenfab.speculative.draft_model import DraftModelProposer
 from tokenfab.speculative.feature_draft import Eagle3Proposer, MtpProposer
 from tokenfab.speculative.ngram import NgramProposer
 from tokenfab.speculative.proposer import Proposer
+from tokenfab.speculative.state_rollback import RecurrentStateRollback, supports_rollback
 from tokenfab.speculative.suffix import SuffixProposer
 from tokenfab.speculative.target import TargetEngine
 
@@ -99,6 +100,7 @@ class SpecDecoder:
         if self.model_based and getattr(engine, "tp", None) is not None:
             raise ValueError(f"speculative_config.method {config.method!r} does not run with tensor parallelism yet")
         self._q: dict[str, torch.Tensor] = {}  # request id -> q [k, V] of its drafts (sampled requests)
+        self.rollback: RecurrentStateRollback | None = None  # hybrid cache: rejected drafts out of the states
         self._overlap_seconds = 0.0  # draft passes inside verify steps (counted as draft time)
         self._acc: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, trials)
         # counters (EngineStats / metrics)
@@ -216,7 +218,24 @@ class SpecDecoder:
         self.draft_seconds += time.perf_counter() - t0
 
     def execute(self, runner, fb, seqs: list[Sequence], counts: list[int]):
-        """The target's forward for ``LLMEngine._execute``: (logits, prompt hidden states)."""
+        """The target's forward for ``LLMEngine._execute``: (logits, prompt hidden states). With recurrent
+        state (hybrid cache) the verifying slots are copied aside and the recurrent layers' inputs kept, so
+        that rejected drafts can be taken out of the state after acceptance (``speculative/state_rollback.py``)."""
+        # (positional state, DeepSeek-V4's rings, needs no rollback: rejected rows are written again)
+        if self.rollback is None and getattr(runner, "state_caches", None) and supports_rollback(runner.model):
+            self.rollback = RecurrentStateRollback(runner.model, runner.state_caches)
+        plan = self.rollback.before_forward(fb, seqs, counts) if self.rollback is not None else []
+        try:
+            out = self._target_forward(runner, fb, seqs, counts)
+        except BaseException:
+            if plan:
+                self.rollback.after_forward(plan, False)
+            raise
+        if plan:
+            self.rollback.after_forward(plan, True)
+        return out
+
+    def _target_forward(self, runner, fb, seqs: list[Sequence], counts: list[int]):
         if not self.model_based:
             return runner.execute_scoring(fb)
         before = getattr(self.proposer, "observe_seconds", 0.0)
@@ -251,6 +270,9 @@ class SpecDecoder:
             verify = logits.index_select(0, rows)
             for i, res in zip(spec, self._accept([seqs[i] for i in spec], verify)):
                 out[i] = res if isinstance(res, str) else [(t, None) for t in res]
+            if self.rollback is not None:  # rejected drafts out of the recurrent states
+                self.rollback.after_accept([seqs[i] for i in spec],
+                                           [0 if isinstance(out[i], str) else len(out[i]) for i in spec])
         return out
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[int] | str]:
@@ -318,6 +340,8 @@ class SpecDecoder:
         self._acc.pop(seq.request_id, None)
         self._q.pop(seq.request_id, None)
         self.proposer.release(seq.request_id)
+        if self.rollback is not None:
+            self.rollback.release(seq.request_id)
 
     def stats(self) -> dict[str, float]:
         return {

@@ -63,20 +63,21 @@ def num_state_slots_for(model: nn.Module, num_state_slots: int | None, max_num_s
                         tensor_parallel_size: int, speculative: int) -> int:
     """The state slots an engine allocates for ``model``: 0 without recurrent state, else
     ``num_state_slots`` (default ``max_num_seqs``). Refuses what the hybrid cache does not support yet:
-    tensor parallelism (the workers would need the same slots bound) and speculative decoding (a
-    rejected draft token would stay folded into the state, which cannot be rolled back as KV can), except
-    over positional state (``reserve_speculative_rows``: DeepSeek-V4's rings, whose rejected rows are written
-    again); ``speculative`` is the number of draft tokens (0: off)."""
+    tensor parallelism (the workers would need the same slots bound) and speculative decoding over
+    recurrent layers that cannot be tapped and replayed (a rejected draft token would stay folded into
+    their state; Gated DeltaNet layers can: ``speculative/state_rollback.py``)."""
     if not has_recurrent_state(model):
         return 0
     if tensor_parallel_size != 1:
         raise ValueError("models with recurrent-state layers (hybrid cache) run with tensor_parallel_size 1 only")
     layers = recurrent_state_layers(model)
-    if speculative and not all(hasattr(m, "reserve_speculative_rows") for m in layers):
-        raise ValueError("speculative decoding is not supported for models with recurrent-state layers: a "
-                         "rejected draft token cannot be taken back out of the state")
+    if speculative and not all(hasattr(m, "input_tap") or hasattr(m, "reserve_speculative_rows") for m in layers):
+        raise ValueError("speculative decoding is not supported for this model's recurrent-state layers: a "
+                         "rejected draft token cannot be taken back out of their state (only Gated DeltaNet "
+                         "layers are replayed after a rejection)")
     for m in layers if speculative else ():  # positional state (DeepSeek-V4's rings): room for the drafts' rows
-        m.reserve_speculative_rows(int(speculative))
+        if hasattr(m, "reserve_speculative_rows"):
+            m.reserve_speculative_rows(int(speculative))
     return num_state_slots or max_num_seqs
 
 
