@@ -102,10 +102,14 @@ def describe_quantization(qc: dict[str, Any]) -> str:
 
 
 def quantization_config(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``quantization_config`` of a raw config.json (top level, or a multimodal model's text_config)."""
+    """The ``quantization_config`` of a raw config.json (top level, or a multimodal model's text_config).
+    DeepSeek-V4 declares its experts' format beside it (top-level ``expert_dtype``; V4.1 moved it inside):
+    folded in, as transformers' ``DeepseekV4Config`` does."""
     qc = raw.get("quantization_config")
     if qc is None and isinstance(raw.get("text_config"), dict):
         qc = raw["text_config"].get("quantization_config")
+    if isinstance(qc, dict) and raw.get("expert_dtype") is not None and "expert_dtype" not in qc:
+        qc = {**qc, "expert_dtype": raw["expert_dtype"]}
     return qc if isinstance(qc, dict) else None
 
 

@@ -70,6 +70,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(_IGNORED_SUFFIXES):
             continue
+        stored_name = ckpt_name  # as the file names it, for errors
         if remap is not None:
             ckpt_name = remap(ckpt_name)
             if ckpt_name is None:
@@ -80,6 +81,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         except ValueError as e:
             raise ModelLoadError(where(), str(e)) from e
         plain = is_plain_float(tensor)
+        if quantized is not None and ckpt_name not in params:  # the format's own tensor names (quant/base.py)
+            ckpt_name = quantized.checkpoint_name(ckpt_name)
         if quantized is not None:  # a quantized layer (tokenfab/quant) takes its checkpoint tensors itself
             qname, qshard = _target(model, ckpt_name)
             qmod_name, _, suffix = qname.rpartition(".")
@@ -88,7 +91,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
                 try:
                     took = qmod.load_quantized(suffix, tensor, qshard)
                 except ValueError as e:
-                    raise ModelLoadError(where(), f"tensor {ckpt_name}: {e}") from e
+                    raise ModelLoadError(where(), f"tensor {stored_name}: {e}") from e
                 if took:
                     continue
         # integer tensors a model takes itself (DeepSeek-V4's hash-routing table ``tid2eid``)
@@ -101,7 +104,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             try:
                 done = take(ckpt_name, tensor)
             except ValueError as e:
-                raise ModelLoadError(where(), str(e)) from e
+                named = stored_name in str(e) or ckpt_name in str(e)
+                raise ModelLoadError(where(), str(e) if named else f"tensor {stored_name}: {e}") from e
             if done is not None:
                 loaded.update(done)
                 continue

@@ -52,6 +52,12 @@ class QuantMethod:
         ``load_expert(kind, suffix, tensor, expert)``), or None: the experts stay plain."""
         return None
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as the quantized layers take it (after the model's remap; never asked
+        for a name that is one of the model's parameters): formats that name their tensors differently
+        (DeepSeek-V4's ``.scale`` grids) map them here."""
+        return name
+
     def bytes_per_param(self) -> float | None:
         """Nominal weight bytes per parameter of the quantized layers (scales included), for reports."""
         return None

@@ -6,6 +6,8 @@ holds several formats under one method, told apart by its ``config_groups`` weig
 
     registry key                          format                                       module
     "fp8"                                 block FP8 (weight_scale_inv 128x128)         quant/fp8_block.py
+    "fp8/expert_dtype"                    block FP8, experts per expert_dtype fp4/fp8  quant/fp4_experts.py
+                                          (DeepSeek-V4's layout: ``.scale`` grids)
     "compressed-tensors/float-quantized"  FP8 weights, per-channel/tensor scales       quant/fp8_channel.py
     "compressed-tensors/pack-quantized"   INT4 W4A16 (weight_packed, group 32)         (task G)
     "mxfp4"                               GPT-OSS MXFP4 experts                        (task G)
@@ -30,6 +32,7 @@ QUANT_METHODS: dict[str, Callable[[dict], QuantMethod]] = {}
 # modules whose import registers format factories (a module not written yet is skipped)
 _PROVIDERS = (
     "tokenfab.quant.fp8_block",
+    "tokenfab.quant.fp4_experts",
     "tokenfab.quant.fp8_channel",
     "tokenfab.quant.int4_ct",
     "tokenfab.quant.mxfp4",
@@ -72,6 +75,8 @@ def load_providers() -> None:
 def registry_key(qc: dict[str, Any]) -> str:
     """The registry key of a ``quantization_config``."""
     method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8" and qc.get("expert_dtype") is not None:
+        return "fp8/expert_dtype"  # DeepSeek-V4: block FP8 linears, FP4 (or FP8) routed experts
     if method != "compressed-tensors":
         return method
     for group in (qc.get("config_groups") or {}).values():
