@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation's transfer, without a model: the --kv-transfer-config parser, the staging slots,
-and NIXL moving KV blocks between two processes (a producer process over a random cache, the consumer here),
-including a producer that is gone (the read gives up, nothing is held: the consumer would prefill)."""
+NIXL moving KV blocks between two processes (a producer process over a random cache, the consumer here),
+including a producer that is gone (the read gives up, nothing is held: the consumer would prefill), and the
+consumer's fetch thread (order, cancellation, a read that raises, shutdown). The engine's parking of decode legs
+is ``test_pd_parking.py``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from tokenfab.engine.args import EngineArgs
 from tokenfab.engine.kv_transfer.block_io import BlockIO
 from tokenfab.engine.kv_transfer.pd_connector import PDConnector
+from tokenfab.engine.kv_transfer.pd_fetcher import BackgroundFetcher, FetchJob
 from tokenfab.engine.kv_transfer.pd_params import check_params
 from tokenfab.engine.kv_transfer.pd_staging import StagingSlots
 from tokenfab.engine.kv_transfer.transfer_config import KVTransferConfig
@@ -195,3 +199,85 @@ def test_a_producer_of_another_layout_is_not_read():
     finally:
         proc.kill()
         proc.join()
+
+
+# ---- the fetch thread (pd_fetcher.py) ------------------------------------------------------------------
+def _job(rid: str, gate: threading.Event | None = None, result: int = 2, log: list | None = None,
+         fail: bool = False) -> FetchJob:
+    def run() -> int:
+        if gate is not None:
+            assert gate.wait(30), "the test never opened the gate"
+        if log is not None:
+            log.append(rid)
+        if fail:
+            raise RuntimeError("a bug in the read")
+        return result
+
+    dropped = []
+    job = FetchJob(rid, run, lambda: dropped.append(rid))
+    job.dropped = dropped  # type: ignore[attr-defined]
+    return job
+
+
+def _take(fetcher: BackgroundFetcher, n: int) -> list[FetchJob]:
+    done: list[FetchJob] = []
+    while len(done) < n:
+        assert fetcher.wait(30), "a job never finished"
+        done += fetcher.take_done()
+    return done
+
+
+def test_the_fetch_thread_runs_jobs_in_order_off_the_callers_thread():
+    fetcher = BackgroundFetcher()
+    gate, ran = threading.Event(), []
+    jobs = [_job("a", gate, log=ran), _job("b", log=ran), _job("c", log=ran, result=0)]
+    for j in jobs:
+        fetcher.submit(j)  # returns at once: the first read is held by the gate
+    assert fetcher.take_done() == [] and not fetcher.wait(0)
+    gate.set()
+    done = _take(fetcher, 3)
+    assert [j.request_id for j in done] == ran == ["a", "b", "c"]
+    assert [j.blocks for j in done] == [2, 2, 0] and not any(j.failed for j in done)
+    fetcher.close()
+    assert not fetcher._thread.is_alive()  # shutdown joins the thread
+    with pytest.raises(RuntimeError, match="closed"):
+        fetcher.submit(_job("late"))
+
+
+def test_a_cancelled_job_is_skipped_or_gives_its_blocks_up():
+    fetcher = BackgroundFetcher()
+    gate, ran = threading.Event(), []
+    running, queued, after = _job("running", gate, log=ran), _job("queued", log=ran), _job("after", log=ran)
+    for j in (running, queued, after):
+        fetcher.submit(j)
+    while fetcher.running is not running:  # the first job is on the thread, held by the gate
+        time.sleep(0.001)
+    running.cancelled.set()  # its read is under way: it finishes, then drops what it holds
+    queued.cancelled.set()  # not started: never run
+    gate.set()
+    assert [j.request_id for j in _take(fetcher, 1)] == ["after"]  # cancelled jobs are not handed back
+    assert ran == ["running", "after"] and running.dropped == ["running"] and queued.dropped == []
+    fetcher.close()
+
+
+def test_a_job_that_raises_is_handed_back_as_failed():
+    fetcher = BackgroundFetcher()
+    fetcher.submit(_job("bug", fail=True))
+    fetcher.submit(_job("fine"))
+    done = _take(fetcher, 2)
+    assert [(j.request_id, j.blocks, j.failed) for j in done] == [("bug", 0, True), ("fine", 2, False)]
+    fetcher.close()
+
+
+def test_close_cancels_what_waits_and_joins_the_running_read():
+    fetcher = BackgroundFetcher()
+    gate, ran = threading.Event(), []
+    first, second = _job("first", gate, log=ran), _job("second", log=ran)
+    fetcher.submit(first)
+    fetcher.submit(second)
+    while fetcher.running is not first:
+        time.sleep(0.001)
+    threading.Timer(0.2, gate.set).start()  # the read under way ends a little later
+    fetcher.close()
+    assert not fetcher._thread.is_alive() and ran == ["first"] and second.cancelled.is_set()
+    assert first.dropped == ["first"]  # it ended after close: its blocks were given up

@@ -213,13 +213,15 @@ class LLMEngine:
                 raise ValueError("lora_request: this engine was started without --enable-lora")
             self.lora.admit(lora_request)  # read now: a bad adapter is refused before it is queued
             seq.lora_request = lora_request
+        parked = False
         if self.kv_transfer is not None:
-            self.kv_transfer.on_add(seq)  # a decode leg's blocks are read here (a failed read: prefilled here)
+            parked = self.kv_transfer.on_add(seq)  # a decode leg waits for its blocks off the queue (pd_hook.py)
         else:
             refuse_params(seq)
         self._seqs[request_id] = seq
         self.prompt_tokens_total += seq.num_prompt_tokens
-        self.scheduler.add(seq)
+        if not parked:
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         if self.kv_transfer is not None:
@@ -232,7 +234,7 @@ class LLMEngine:
                 self.spec.release(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.kv_transfer is not None and self.kv_transfer.num_parked > 0)
 
     @property
     def async_scheduling(self) -> bool:
@@ -252,6 +254,9 @@ class LLMEngine:
                 if self.tp is None:
                     raise
                 raise self.tp._dead_error(e) from e  # the workers may be stuck in a collective
+        if self.kv_transfer is not None:  # decode legs whose blocks arrived (waits briefly if nothing else runs)
+            for seq in self.kv_transfer.admit_ready(idle=not self.scheduler.has_unfinished()):
+                self.scheduler.add(seq)
         if self._overlap is not None:
             return self._overlap.step()
         if self.spec is not None:
@@ -345,7 +350,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + (self.kv_transfer.num_parked if self.kv_transfer else 0),
             kv_cache_usage=bm.usage(),
             num_used_blocks=bm.num_used_blocks,
             num_total_blocks=bm.num_blocks,

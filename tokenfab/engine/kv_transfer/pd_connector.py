@@ -6,10 +6,11 @@
    blocks (found by their prefix-cache digests) into pinned staging slots and returns the parameters the answer
    carries: ``{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port", "remote_block_ids"
    (staging slots), "remote_block_hashes" (their digests, hex), "remote_buffer" ([address, bytes per block])}``.
-2. The router sends the original request, with those parameters, to the consumer. ``fetch`` (at ``add_request``)
-   computes the prompt's own digests, keeps the leading run the producer's digests agree with, and reads those
-   blocks into its own staging (NIXL, ``pd_nixl.py``); the producer frees its slots when told the read is done,
-   or after ``pin_timeout_s``.
+2. The router sends the original request, with those parameters, to the consumer, which parks it (not queued)
+   and hands ``fetch`` to its fetch thread (``pd_fetcher.py``): given the prompt's own digests, it keeps the
+   leading run the producer's digests agree with and reads those blocks into its own staging (NIXL,
+   ``pd_nixl.py``); the producer frees its slots when told the read is done, or after ``pin_timeout_s``. When the
+   read is done (or failed), the engine queues the request.
 3. The scheduler's admission asks the connector, as it asks any KV tier, for the blocks past the local prefix
    hit: ``lookup``/``load`` copy them from staging into the device cache, and the consumer computes only the
    rest (at least the prompt's last token) and decodes.
@@ -17,11 +18,15 @@
 Anything that fails in 2 (producer gone, timeout, digests that disagree, blocks of another layout) leaves the
 staging without those digests, so step 3 finds nothing and the consumer prefills the prompt itself: a failed
 transfer costs time, never the request.
+
+Threads: ``fetch`` runs on the fetch thread, everything else on the engine thread; one lock guards the staging
+slots' bookkeeping (the bytes of a slot belong to whoever took or popped it, so copies run outside the lock).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +45,7 @@ class PDConnector(KVConnector):
         self.block_size = block_size
         num_slots = int(cfg.kv_buffer_size // io.block_nbytes)
         self.staging = StagingSlots(num_slots, io.block_nbytes)
+        self._lock = threading.Lock()  # the staging bookkeeping: the fetch thread and the engine thread
         self.transport = NixlTransport(cfg.engine_id, cfg.kv_port, self.staging.buffer, cfg.is_producer)
         self._stats = KVConnectorStats()
         self.published_blocks = 0  # producer: blocks staged for consumers
@@ -53,7 +59,8 @@ class PDConnector(KVConnector):
         """Stage device blocks ``block_ids`` (named ``digests``) for a consumer; the answer's kv_transfer_params.
         With no free staging slot the parameters name no block (the consumer prefills it all)."""
         self.poll()
-        slots = self.staging.take(len(block_ids), self.cfg.pin_timeout_s) if block_ids else []
+        with self._lock:
+            slots = self.staging.take(len(block_ids), self.cfg.pin_timeout_s) if block_ids else []
         if slots is None:
             log.warning("KV transfer: staging full (%d pinned): a prompt's %d blocks are not handed over",
                         self.staging.num_pinned, len(block_ids))
@@ -72,12 +79,14 @@ class PDConnector(KVConnector):
         """Free the staged slots consumers have read (their notifications)."""
         released = self.transport.released_slots()
         if released:
-            self.staging.release(released)
+            with self._lock:
+                self.staging.release(released)
 
     # ---- consumer -------------------------------------------------------------------------------------
     def fetch(self, params: dict[str, Any], digests: Sequence[bytes]) -> int:
         """Read the producer's blocks for a prompt whose own leading digests are ``digests``: the leading run the
-        producer staged under the same digests. Returns the blocks now held; 0 on any failure (logged)."""
+        producer staged under the same digests. Returns the blocks now held; 0 on any failure (logged). Runs on
+        the fetch thread (``pd_fetcher.py``); the engine thread may call anything else meanwhile."""
         remote = [bytes.fromhex(h) for h in params["remote_block_hashes"]]
         n = 0
         while n < min(len(remote), len(digests)) and remote[n] == digests[n]:
@@ -90,7 +99,8 @@ class PDConnector(KVConnector):
             log.warning("KV transfer: the producer's blocks are %d bytes, ours %d (another model or layout): "
                         "prefilling locally", nbytes, self.io.block_nbytes)
             return 0
-        slots = self.staging.take(n, self.cfg.transfer_timeout_s, evict_held=True)
+        with self._lock:
+            slots = self.staging.take(n, self.cfg.transfer_timeout_s, evict_held=True)
         if slots is None:
             self.failed_fetches += 1
             log.warning("KV transfer: no staging room for %d blocks: prefilling locally", n)
@@ -99,16 +109,24 @@ class PDConnector(KVConnector):
             self.transport.read(params["remote_engine_id"], params["remote_host"], params["remote_port"], base,
                                 params["remote_block_ids"][:n], slots, self.cfg.transfer_timeout_s)
         except TransferError as e:
-            self.staging.release(slots)
+            with self._lock:
+                self.staging.release(slots)
             self.failed_fetches += 1
             log.warning("KV transfer failed (%s): prefilling locally", e)
             return 0
-        self.staging.hold(digests[:n], slots)
-        self.fetched_blocks += n
+        with self._lock:
+            self.staging.hold(digests[:n], slots)
+            self.fetched_blocks += n
         return n
 
+    def drop(self, digests: Sequence[bytes]) -> None:
+        """Give up the held blocks of ``digests`` (a parked request aborted after its read finished)."""
+        with self._lock:
+            self.staging.free(self.staging.pop(digests))
+
     def lookup(self, digests: Sequence[bytes]) -> int:
-        n = self.staging.lookup(digests)
+        with self._lock:
+            n = self.staging.lookup(digests)
         self._stats.lookup_blocks += len(digests)
         self._stats.lookup_hit_blocks += n
         return n
@@ -116,10 +134,17 @@ class PDConnector(KVConnector):
     def load(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> int:
         if len(digests) != len(block_ids):
             raise ValueError(f"{len(digests)} digests for {len(block_ids)} blocks")
-        slots = self.staging.pop(digests)
+        with self._lock:
+            slots = self.staging.pop(digests)  # ours until freed: the copy runs outside the lock
         if slots:
-            self.io.write(block_ids[:len(slots)], self.staging.buffer[slots])
-            self.staging.free(slots)
+            try:
+                first = slots[0]
+                contiguous = slots == list(range(first, first + len(slots)))  # the usual case: a view, no copy
+                rows = self.staging.buffer[first:first + len(slots)] if contiguous else self.staging.buffer[slots]
+                self.io.write(block_ids[:len(slots)], rows)
+            finally:
+                with self._lock:
+                    self.staging.free(slots)
         self._stats.loaded_blocks += len(slots)
         self._stats.load_failed_blocks += len(digests) - len(slots)
         return len(slots)
@@ -128,11 +153,13 @@ class PDConnector(KVConnector):
         """Evicted blocks: not this connector's business (the producer stages finished prompts in ``publish``)."""
 
     def clear(self) -> None:
-        self.staging.clear()
+        with self._lock:
+            self.staging.clear()
 
     def stats(self) -> KVConnectorStats:
         s = KVConnectorStats(**vars(self._stats))
-        s.host_blocks = self.staging.num_held + self.staging.num_pinned
+        with self._lock:
+            s.host_blocks = self.staging.num_held + self.staging.num_pinned
         s.host_bytes = s.host_blocks * self.io.block_nbytes
         s.saved_blocks = self.published_blocks
         return s

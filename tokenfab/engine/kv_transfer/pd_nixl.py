@@ -6,11 +6,15 @@ the metadata exchange (no socket of ours), and registers its staging buffer. The
 producer's staged rows into its own, with a notification that reaches the producer when the read is done, so the
 producer can free them: vLLM's NixlConnector does the same with device memory. On this machine (no GPU, no RDMA)
 UCX moves host memory over TCP; on GPU nodes the same calls move device memory over NVLink or RDMA.
+
+A consumer's reads run on its fetch thread (``pd_fetcher.py``) while a ``kv_both`` instance's engine thread also
+reads notifications: one lock serialises the calls into the agent (each one short; a read waits outside it).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -49,17 +53,22 @@ class NixlTransport:
             raise ValueError(f"--kv-transfer-config: the NIXL agent could not start on port {listen_port}: {e}") \
                 from e
         self._reg = self.agent.register_memory(buffer)
+        self._lock = threading.Lock()  # one call into the agent at a time (see the module docstring)
 
     def _descs(self, base: int, slots: Sequence[int]):  # noqa: ANN202 - NIXL's descriptor list type
         n = self.slot_nbytes
         return self.agent.get_xfer_descs([(base + s * n, n, 0) for s in slots], "DRAM")
 
     def _connect(self, peer: str, host: str, port: int, deadline: float) -> None:
-        if self.agent.check_remote_metadata(peer):
-            return
-        self.agent.fetch_remote_metadata(peer, host, port)
-        self.agent.send_local_metadata(host, port)
-        while not self.agent.check_remote_metadata(peer):
+        with self._lock:
+            if self.agent.check_remote_metadata(peer):
+                return
+            self.agent.fetch_remote_metadata(peer, host, port)
+            self.agent.send_local_metadata(host, port)
+        while True:
+            with self._lock:
+                if self.agent.check_remote_metadata(peer):
+                    return
             if time.monotonic() > deadline:
                 raise TransferError(f"no metadata from KV producer {peer} at {host}:{port}")
             time.sleep(0.001)
@@ -73,16 +82,18 @@ class NixlTransport:
         try:
             self._connect(peer, host, port, deadline)
             notif = RELEASE + ",".join(str(s) for s in remote_slots).encode()
-            handle = self.agent.initialize_xfer("READ", self._descs(self.base, local_slots),
-                                                self._descs(remote_base, remote_slots), peer, notif)
-            state = self.agent.transfer(handle)
+            with self._lock:
+                handle = self.agent.initialize_xfer("READ", self._descs(self.base, local_slots),
+                                                    self._descs(remote_base, remote_slots), peer, notif)
+                state = self.agent.transfer(handle)
             while state != "DONE":
                 if state == "ERR":
                     raise TransferError(f"the read from {peer} failed")
                 if time.monotonic() > deadline:
                     raise TransferError(f"the read from {peer} timed out after {timeout_s}s")
                 time.sleep(0.0002)
-                state = self.agent.check_xfer_state(handle)
+                with self._lock:
+                    state = self.agent.check_xfer_state(handle)
         except TransferError:
             self._forget(peer)
             raise
@@ -92,21 +103,25 @@ class NixlTransport:
         finally:
             if handle is not None:
                 try:
-                    self.agent.release_xfer_handle(handle)
+                    with self._lock:
+                        self.agent.release_xfer_handle(handle)
                 except Exception:  # a transfer still in flight cannot be released: NIXL frees it at teardown
                     log.debug("could not release a NIXL transfer handle", exc_info=True)
 
     def _forget(self, peer: str) -> None:
         """After a failure: the next read from this peer makes a fresh connection (it may have restarted)."""
         try:
-            self.agent.remove_remote_agent(peer)
+            with self._lock:
+                self.agent.remove_remote_agent(peer)
         except Exception:
             log.debug("could not remove NIXL peer %s", peer, exc_info=True)
 
     def released_slots(self) -> list[int]:
         """Our staged slots that consumers have read since the last call (their notifications)."""
         out: list[int] = []
-        for messages in self.agent.get_new_notifs().values():
+        with self._lock:
+            notifs = self.agent.get_new_notifs()
+        for messages in notifs.values():
             for m in messages:
                 if m.startswith(RELEASE):
                     out.extend(int(s) for s in m[len(RELEASE):].split(b",") if s)
@@ -114,6 +129,7 @@ class NixlTransport:
 
     def close(self) -> None:
         try:
-            self.agent.deregister_memory(self._reg)
+            with self._lock:
+                self.agent.deregister_memory(self._reg)
         except Exception:
             log.debug("could not deregister the KV transfer buffer", exc_info=True)

@@ -4,8 +4,13 @@ request arrives, is aborted, or finishes, with ``engine/kv_transfer/pd_connector
 - A request with ``kv_transfer_params.do_remote_decode`` (the router's prefill leg) on a producer is tracked; when
   it finishes, its prompt's full blocks are staged for the consumer and its output carries the parameters.
 - A request with ``kv_transfer_params.do_remote_prefill`` (the decode leg, carrying the producer's answer) on a
-  consumer has its blocks read at ``add_request``; the block manager's admission then loads them from the
-  connector as from any KV tier (the consumer is the block manager's connector).
+  consumer is *parked*: not queued in the scheduler while the fetch thread (``kv_transfer/pd_fetcher.py``) reads
+  its blocks, so the streams already running keep stepping. At the start of each step the engine queues the
+  parked requests whose reads ended (``admit_ready``); the block manager's admission then loads their blocks from
+  the connector as from any KV tier (the consumer is the block manager's connector). A read that failed, or a
+  request parked past ``transfer_timeout_s`` (its read still queued or stuck), is queued all the same and
+  prefilled locally. Parked requests count as unfinished (the engine loop keeps stepping); aborting one cancels
+  its read and gives up its blocks.
 - Parameters on an instance started without ``--kv-transfer-config``, or asking a role it was not given, are a
   ValueError (a 400): a prefill leg that silently decoded everything would hide a misconfigured fleet.
 """
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from typing import Any
 
+from tokenfab.engine.kv_transfer.pd_fetcher import BackgroundFetcher, FetchJob
 from tokenfab.engine.kv_transfer.pd_params import check_params
 from tokenfab.engine.kv_transfer.transfer_config import KVTransferConfig
 from tokenfab.engine.requests.block_manager import BlockManager, hash_block, root_digest
@@ -25,6 +32,11 @@ from tokenfab.engine.runner.kv_offload import runner_block_io
 from tokenfab.engine.runner.model_runner import ModelRunner
 
 log = logging.getLogger("tokenfab")
+
+#: how long a step with nothing to run waits for a parked request's read (the loop neither spins nor stalls)
+PARKED_WAIT_S = 0.005
+#: a parked request is queued (and prefilled locally) this long after its read's own timeout, whatever the read does
+PARK_GRACE_S = 1.0
 
 
 def prompt_digests(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
@@ -52,12 +64,20 @@ class PDHook:
         self.connector = connector  # pd_connector.PDConnector
         self.bm = block_manager
         self._producing: dict[str, Sequence] = {}  # request id -> a prefill leg to stage when it finishes
+        # request id -> (a parked decode leg, its read, the monotonic time it is queued regardless)
+        self._parked: dict[str, tuple[Sequence, FetchJob, float]] = {}
+        self.fetcher = BackgroundFetcher() if cfg.is_consumer else None
 
-    def on_add(self, seq: Sequence) -> None:
-        """Check the request's parameters (ValueError naming the field); a decode leg's blocks are read now."""
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def on_add(self, seq: Sequence) -> bool:
+        """Check the request's parameters (ValueError naming the field). True when the request is parked (a decode
+        leg whose blocks are being read): the engine queues it later, from ``admit_ready``."""
         params = check_params(seq.params.kv_transfer_params)
         if params is None:
-            return
+            return False
         if params.get("do_remote_decode"):
             if not self.cfg.is_producer:
                 raise ValueError(f"kv_transfer_params.do_remote_decode: this instance is a {self.cfg.kv_role}")
@@ -65,12 +85,56 @@ class PDHook:
         elif params.get("do_remote_prefill"):
             if not self.cfg.is_consumer:
                 raise ValueError(f"kv_transfer_params.do_remote_prefill: this instance is a {self.cfg.kv_role}")
-            if self.bm.enable_prefix_caching:  # else nothing could take the blocks: prefill locally
-                digests = prompt_digests(seq, self.bm.block_size, seq.num_tokens - 1)
-                self.connector.fetch(params, digests)
+            if self.bm.enable_prefix_caching and self.fetcher is not None:  # else prefill locally
+                job = self._fetch_job(seq, params)
+                deadline = time.monotonic() + self.cfg.transfer_timeout_s + PARK_GRACE_S
+                self._parked[seq.request_id] = (seq, job, deadline)
+                self.fetcher.submit(job)
+                return True
+        return False
+
+    def _fetch_job(self, seq: Sequence, params: dict[str, Any]) -> FetchJob:
+        """The read of ``seq``'s blocks, run on the fetch thread (digests included: a long prompt's hashing is
+        CPU time the engine thread does not spend). A parked sequence's tokens do not change."""
+        digests: list[bytes] = []
+
+        def run() -> int:
+            digests.extend(prompt_digests(seq, self.bm.block_size, seq.num_tokens - 1))
+            return self.connector.fetch(params, digests)
+
+        return FetchJob(seq.request_id, run, lambda: self.connector.drop(digests))
+
+    def admit_ready(self, idle: bool) -> list[Sequence]:
+        """The parked requests to queue now: their reads ended (blocks held, or failed: prefilled locally), or
+        they waited past their deadline. ``idle`` (nothing else to run): wait a little for a read first."""
+        if not self._parked:
+            return []
+        if idle:
+            self.fetcher.wait(PARKED_WAIT_S)
+        ready = []
+        for job in self.fetcher.take_done():
+            entry = self._parked.get(job.request_id)
+            if entry is None or entry[1] is not job:  # aborted after its read ended
+                if job.blocks:
+                    job.drop()
+                continue
+            del self._parked[job.request_id]
+            ready.append(entry[0])
+        now = time.monotonic()
+        for rid, (seq, job, deadline) in list(self._parked.items()):
+            if now >= deadline:
+                log.warning("KV transfer for request %s not done %.1f s after it arrived: prefilling locally",
+                            rid, self.cfg.transfer_timeout_s + PARK_GRACE_S)
+                job.cancelled.set()  # a read still to run is skipped; one under way gives its blocks up
+                del self._parked[rid]
+                ready.append(seq)
+        return ready
 
     def on_abort(self, request_id: str) -> None:
         self._producing.pop(request_id, None)
+        entry = self._parked.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancelled.set()  # skipped if not started; dropped when its read ends if under way
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """After a step: the finished prefill legs' blocks staged, their outputs given the parameters. Runs before
@@ -93,6 +157,8 @@ class PDHook:
             out.kv_transfer_params = self.connector.publish(digests, blocks)
 
     def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()  # joins the thread (a read under way ends within its timeout)
         self.connector.close()
 
 
