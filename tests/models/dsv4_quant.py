@@ -17,7 +17,8 @@ indexer projections) and vLLM reads it (``DeepseekV4FP8Config``):
 - Not quantized: embedding, head, norms, mHC, the router (``ffn.gate``), the compressors' ``wkv``/``wgate``
   and the indexer's ``weights_proj``.
 - DeepSeek's own names with no ``model.`` prefix: ``embed.weight``, ``layers.{i}...``, ``norm.weight``,
-  ``head.weight``, ``hc_head_{fn,base,scale}``.
+  ``head.weight``, ``hc_head_{fn,base,scale}``; the MTP layer under ``mtp.0.`` in its own shard, quantized like
+  a block (its ``e_proj``/``h_proj`` FP8 here: our loader reads which ones are from the tensors).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ FP8_LINEARS = (
     "shared_experts.w1",
     "shared_experts.w2",
     "shared_experts.w3",
+    ".e_proj",
+    ".h_proj",
 )
 
 
@@ -114,6 +117,30 @@ def quant_kind(name: str, expert_dtype: str = "fp4") -> str | None:
     return "fp8" if module.endswith(FP8_LINEARS) else None
 
 
+def quantize_official(tensors: dict[str, torch.Tensor], expert_dtype: str = "fp4") -> tuple[dict, dict]:
+    """Official float tensors -> (the quantized official tensors, the dequantized ones by the same names)."""
+    official: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        kind = quant_kind(name, expert_dtype)
+        if kind is None:
+            official[name], twin[name] = t, t
+            continue
+        q, s = quantize_fp8_block(t, ue8m0=expert_dtype == "fp4") if kind == "fp8" else quantize_fp4(t)
+        official[name], official[name.removesuffix("weight") + "scale"] = q, s
+        twin[name] = dequantize_fp8_block(q, s) if kind == "fp8" else dequantize_fp4(q, s)
+    return official, twin
+
+
+def quantize_mtp_shard(path: Path, twin_dir: Path) -> dict[str, torch.Tensor]:
+    """Quantize ``path/mtp.safetensors`` (``dsv4_tiny.save_tiny_dsv4_mtp``'s float MTP layer) in place, its
+    dequantized twin into ``twin_dir/mtp.safetensors``; returns the quantized tensors."""
+    official, twin = quantize_official(load_file(str(Path(path) / "mtp.safetensors")))
+    save_file(official, str(Path(path) / "mtp.safetensors"), metadata={"format": "pt"})
+    save_file(twin, str(Path(twin_dir) / "mtp.safetensors"), metadata={"format": "pt"})
+    return official
+
+
 def save_tiny_dsv4_quantized(
     path: Path, seed: int = 0, expert_dtype: str = "fp4", expert_dtype_in_qc: bool = False, **overrides: Any
 ) -> tuple[dict[str, torch.Tensor], Path]:
@@ -127,17 +154,9 @@ def save_tiny_dsv4_quantized(
     fp32_dir = path.parent / f"{path.name}-fp32"
     save_tiny_dsv4(fp32_dir, seed=seed, **overrides)
     original = load_file(str(fp32_dir / "model.safetensors"))
-    official: dict[str, torch.Tensor] = {}
-    twin: dict[str, torch.Tensor] = {}
-    for name, t in original.items():
-        off = official_name(name)
-        kind = quant_kind(off, expert_dtype)
-        if kind is None:
-            official[off], twin[name] = t, t
-            continue
-        q, s = quantize_fp8_block(t, ue8m0=expert_dtype == "fp4") if kind == "fp8" else quantize_fp4(t)
-        official[off], official[off.removesuffix("weight") + "scale"] = q, s
-        twin[name] = dequantize_fp8_block(q, s) if kind == "fp8" else dequantize_fp4(q, s)
+    names = {official_name(name): name for name in original}
+    official, dequantized = quantize_official({off: original[name] for off, name in names.items()}, expert_dtype)
+    twin = {name: dequantized[off] for off, name in names.items()}  # transformers' names
     config = json.loads((fp32_dir / "config.json").read_text())
     qc = dict(QUANT_CONFIG)
     if expert_dtype_in_qc:

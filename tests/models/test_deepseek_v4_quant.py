@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.models.dsv4_quant import dequantize_fp4, load_reference, quantize_fp4, save_tiny_dsv4_quantized
+from tests.models.dsv4_quant import (
+    dequantize_fp4,
+    load_reference,
+    quantize_fp4,
+    quantize_mtp_shard,
+    save_tiny_dsv4_quantized,
+)
 from tests.models.dsv4_tiny import DSV4_TINY
 from tests.tiny_models import assert_batch_matches_hf, hf_logits, run_batch, run_capturing_logits
 from tokenfab.engine.llm_engine import LLMEngine
@@ -261,3 +267,31 @@ def test_through_triton_kernels(quantized, monkeypatch):
             torch.testing.assert_close(
                 torch.tensor(list(g.values())), torch.tensor(list(w.values())), atol=1e-3, rtol=0
             )
+
+
+def test_mtp_layer_of_a_quantized_release(tmp_path):
+    """The release's MTP layer (``mtp.0.*``: FP8 linears, ``e_proj``/``h_proj`` among them, and FP4 experts, as a
+    block has them) loads in the target's format, kept packed, and drafts exactly what the same layer dequantized
+    drafts, step by step, and the outputs are the dequantized model's."""
+    from tests.models.dsv4_tiny import save_tiny_dsv4_mtp
+    from tests.speculative.spec_cases import outputs, record_drafts
+    from tokenfab import LLM
+
+    path = tmp_path / "q"
+    _, twin = save_tiny_dsv4_quantized(path)
+    save_tiny_dsv4_mtp(path)
+    quantize_mtp_shard(path, twin)
+    kw = dict(block_size=4, num_kv_blocks=96, cpu_threads=1)
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    spec, twin_spec = (
+        LLM(model=str(path), speculative_config=mtp, **kw),
+        LLM(model=str(twin), speculative_config=mtp, **kw),
+    )
+    layer = spec.engine.spec.proposer.layer
+    assert isinstance(layer.e_proj, FP8Linear) and isinstance(layer.block.attn.wq_a, FP8Linear)
+    assert isinstance(layer.block.ffn.quant_experts, PerExpertFp4Experts)
+    seen, twin_seen = record_drafts(spec), record_drafts(twin_spec)
+    prompts = [list(range(30, 45)), [5, 17, 42]]
+    got = outputs(spec, prompts, 6)
+    assert got == outputs(twin_spec, prompts, 6)  # and the twin's equal transformers' (test_prefill_and_decode...)
+    assert len(seen) >= 6 and seen == twin_seen  # (random weights: whether drafts are accepted is chance)

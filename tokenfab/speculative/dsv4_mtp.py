@@ -24,7 +24,8 @@ Checkpoint names (official layout, ``mtp.{j}.`` with an optional ``model.`` pref
 ``enorm``, ``hnorm``, ``norm``, ``hc_head_{fn,base,scale}``, and the block's own names as a target layer has
 them (``attn.*``, ``attn_norm``, ``ffn.*``, ``ffn_norm``, ``hc_{attn,ffn}_{fn,base,scale}``). Its attention
 keeps a ring per sequence in the target's state slots (``batch.state_slots``) and, when compressed, entries
-in the paged cache under the target's block tables.
+in the paged cache under the target's block tables. A quantized release's MTP tensors (block FP8, FP4 experts)
+load in the target's format, kept packed, in the modules the checkpoint stores quantized.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from tokenfab.layers.hyper_connections import HyperHead
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.loader.errors import ModelLoadError
+from tokenfab.loader.formats import is_plain_float
+from tokenfab.loader.quant_apply import apply_quant_method, materialize, weights_on_meta
 from tokenfab.loader.weights import load_weights
 from tokenfab.models.deepseek_v4 import (
     DeepseekV4Block,
@@ -48,8 +51,10 @@ from tokenfab.models.deepseek_v4 import (
     sequence_of_token,
     v4_parameter_name,
 )
+from tokenfab.quant.base import QuantMethod
 
 _MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+_EXPERT_PROJ = re.compile(r"\.experts\.\d+\.\w+$")
 
 
 class _LayerConfig:
@@ -152,12 +157,54 @@ def load_dsv4_mtp(
             f"tensors; num_nextn_predict_layers = {getattr(config, 'num_nextn_predict_layers', 0)})",
         )
     layer_type, mlp_type = mtp_layer_kinds(mine, mtp_index)
+    method = getattr(target, "quant_method", None)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # as the target was built: the float32 parameters (mHC, sinks) stay float32
     try:
         with torch.device(device):
-            layer = DeepseekV4MTPLayer(config, layer_type, mlp_type, target.embed, target.head, mtp_index)
+            if method is None:
+                layer = DeepseekV4MTPLayer(config, layer_type, mlp_type, target.embed, target.head, mtp_index)
+            else:  # a quantized release: the layers its tensors store quantized, in the target's format
+                with weights_on_meta():
+                    layer = DeepseekV4MTPLayer(config, layer_type, mlp_type, target.embed, target.head, mtp_index)
+                layer.quant_method = StoredQuantization(method, stored_quantized_modules(layer, mine))
+                apply_quant_method(layer, layer.quant_method)
+                materialize(layer, torch.device(device))
     finally:
         torch.set_default_dtype(old)
     load_weights(layer, mine.items(), source)
     return layer
+
+
+class StoredQuantization(QuantMethod):
+    """The target's format limited to ``modules`` (those whose weights the checkpoint stores quantized): which of
+    the MTP layer's projections a release quantizes (``e_proj``/``h_proj`` among them) is read from its tensors."""
+
+    def __init__(self, method: QuantMethod, modules: set[str]) -> None:
+        super().__init__()
+        self.method, self.modules, self.name = method, modules, method.name
+
+    def is_quantized(self, module_name: str) -> bool:
+        return module_name in self.modules and self.method.is_quantized(module_name)
+
+    def make_linear(self, linear: nn.Module, module_name: str) -> nn.Module:
+        return self.method.make_linear(linear, module_name)
+
+    def make_experts(self, moe: nn.Module, module_name: str) -> nn.Module | None:
+        return self.method.make_experts(moe, module_name)
+
+    def checkpoint_name(self, name: str) -> str:
+        return self.method.checkpoint_name(name)
+
+    def describe(self) -> str:
+        return self.method.describe()
+
+
+def stored_quantized_modules(layer: DeepseekV4MTPLayer, weights: dict[str, torch.Tensor]) -> set[str]:
+    """The layer's modules (its names; a MoE's experts as ``{moe}.experts``) whose ``weight`` is not a float."""
+    found = set()
+    for name, tensor in weights.items():
+        ours = layer.remap_checkpoint_name(name) if name.endswith(".weight") else None
+        if ours is not None and not is_plain_float(tensor):
+            found.add(_EXPERT_PROJ.sub(".experts", ours.removesuffix(".weight")))
+    return found
