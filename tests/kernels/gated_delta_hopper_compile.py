@@ -1,5 +1,5 @@
-"""Compile the Gated DeltaNet kernels (gated delta rule prefill and decode, causal conv1d prefill, state roll and
-update) for Hopper (sm_90) without a GPU, at the dispatcher's configs (``hopper_harness.py``).
+"""Compile the Gated DeltaNet kernels (gated delta rule prefill (16-bit and float32 passes) and decode, causal conv1d
+prefill, state roll and update) for Hopper (sm_90) without a GPU, at the dispatcher's configs (``hopper_harness.py``).
 
 Workloads: Qwen3-Next-80B-A3B's linear-attention layer (16 key heads, 32 value heads, head dims 128, conv channels
 2 * 16 * 128 + 32 * 128 = 8192, width 4) in bf16 with float32 states, and a float32 twin; a varlen prefill
@@ -93,9 +93,9 @@ def _workloads() -> list[tuple[str, Callable[[], None]]]:
 
 
 def kernel_modules() -> list:
-    from tokenfab.kernels import causal_conv1d, gated_delta
+    from tokenfab.kernels import causal_conv1d, gated_delta, gated_delta_fp32
 
-    return [causal_conv1d, gated_delta]
+    return [causal_conv1d, gated_delta, gated_delta_fp32]
 
 
 # The fast tier's subset (--quick): every kernel, 16-bit and fp32 where the dot precision differs.

@@ -12,11 +12,12 @@ Prefill (``gated_delta_prefill``), chunks of 64 tokens, two launches:
 2. output pass, one program per (chunk of the batch, value head, value block), all independent:
    ``O = exp(G) q S_chunk + lower(q k^T * D) V'``.
 
-Products (``tl.dot``): float32 inputs multiply exactly (ieee); 16-bit inputs multiply 16-bit tiles (the
-normalised q and k, the state, the inverse, V'; as fla's kernels do) into float32 accumulators, and the
-workspaces hold the 16-bit values the output pass multiplies (so splitting changes no result). Workspace: a
-[chunks, Hv, Dk, Dv] state per chunk and a [T, Hv, Dv] V' (for 8192 tokens of Qwen3-Next: 128 x 32 x 128 x 128
-bf16 = 128 MiB, plus 64 MiB).
+Products (``tl.dot``): float32 inputs multiply exactly (ieee), in the rearranged passes of ``gated_delta_fp32.py``
+(slices of Dk, the chunk's system solved on V' row by row: the exact products as FMAs fit sm_90's registers);
+16-bit inputs multiply 16-bit tiles (the normalised q and k, the state, the inverse, V'; as fla's kernels do) into
+float32 accumulators, and the workspaces hold the 16-bit values the output pass multiplies (so splitting changes
+no result). Workspace: a [chunks, Hv, Dk, Dv] state per chunk and a [T, Hv, Dv] V' (for 8192 tokens of
+Qwen3-Next: 128 x 32 x 128 x 128 bf16 = 128 MiB, plus 64 MiB).
 Decode (``gated_delta_decode``): one program per (row, value head, value block) updates its state block once.
 """
 
@@ -32,6 +33,7 @@ import triton.language as tl
 # isort: on
 
 from tokenfab.kernels._dispatch import checked, kernel_op
+from tokenfab.kernels.gated_delta_fp32 import _gdn_fp32_output_kernel, _gdn_fp32_state_kernel, prefill_config_fp32
 from tokenfab.kernels.gated_delta_ref import CHUNK, L2NORM_EPS, gated_delta_decode_ref, gated_delta_prefill_ref
 
 
@@ -271,21 +273,26 @@ def _gated_delta_prefill_triton(
     h = torch.empty(total, hv, dk, dv, dtype=work, device=v.device)
     vn = torch.empty(t, hv, dv, dtype=work, device=v.device)
     prec = dot_precision(v.dtype)
+    fp32 = work == torch.float32  # exact products: the float32 variant of both passes (gated_delta_fp32.py)
+    if fp32:
+        cfg = prefill_config_fp32(dk, dv)
     c1 = cfg["state"]
-    _gdn_chunk_state_kernel[(triton.cdiv(dv, c1["BV"]), hv, n)](
+    state_kernel = _gdn_fp32_state_kernel if fp32 else _gdn_chunk_state_kernel
+    state_kernel[(triton.cdiv(dv, c1["BV"]), hv, n)](
         k, v, g, beta, st, h, vn, cu_seqlens, slot_ids, init, chunk_off,
         hv // hk, dk, dv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         st.stride(0), st.stride(1), st.stride(2), h.stride(0), h.stride(1), h.stride(2), vn.stride(0), vn.stride(1),
-        HAS_INIT=has_state is not None, L2NORM=use_qk_l2norm, DOT_PREC=prec, **c1,
+        HAS_INIT=has_state is not None, L2NORM=use_qk_l2norm, **({} if fp32 else dict(DOT_PREC=prec)), **c1,
     )
     c2 = cfg["output"]
-    _gdn_chunk_output_kernel[(triton.cdiv(dv, c2["BV"]), hv, total)](
+    output_kernel = _gdn_fp32_output_kernel if fp32 else _gdn_chunk_output_kernel
+    output_kernel[(triton.cdiv(dv, c2["BV"]), hv, total)](
         q, k, g, out, h, vn, cu_seqlens, slot_ids, chunk_off, chunk_seq,
         scale, hv // hk, dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         h.stride(0), h.stride(1), h.stride(2), vn.stride(0), vn.stride(1),
-        L2NORM=use_qk_l2norm, DOT_PREC=prec, **c2,
+        L2NORM=use_qk_l2norm, **({} if fp32 else dict(DOT_PREC=prec)), **c2,
     )
     return out
 
