@@ -127,3 +127,19 @@ def test_recurrent_layers_without_replay_are_refused(tmp_path):
     save_toy_hybrid(tmp_path)
     with pytest.raises(ValueError, match="rejected draft token cannot be taken back out"):
         LLM(model=str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **KW)
+
+
+@pytest.mark.slow
+def test_partial_acceptance_through_the_triton_kernels(qwen35, monkeypatch):
+    """The verify, the restore and the replay through the Triton gated-delta / conv kernels (the interpreter on
+    a CPU): planted mistakes, greedy equal to plain decoding on the same kernels (about 5 minutes on a CPU)."""
+    from tokenfab.kernels._launch import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("triton was imported without the interpreter")
+    monkeypatch.setenv("TOKENFAB_KERNELS", "triton")
+    prompts = [[5, 9, 13, 200, 17, 3, 8], [40, 41, 42]]
+    ref = outputs(plain_llm(qwen35, **KW), prompts, 8)
+    llm = _oracle_llm(qwen35, {tuple(p): r for p, r in zip(prompts, ref)}, **KW)
+    assert outputs(llm, prompts, 8) == ref
+    assert llm.engine.spec.rollback.replayed > 0 and llm.engine.spec.num_accepted_tokens > 0
