@@ -209,6 +209,18 @@ def test_expert_scale_in_a_wrong_dtype_is_refused(quantized, tmp_path):
         _load(bad)
 
 
+def test_nan_expert_scale_is_refused(quantized, tmp_path):
+    name = "layers.3.ffn.experts.0.w3.scale"
+
+    def nan(t):
+        t[name] = t[name].view(torch.uint8).clone()
+        t[name][1, 0] = 0xFF
+        t[name] = t[name].view(torch.float8_e8m0fnu)
+
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor {name}: .*0xFF, E8M0's NaN"):
+        _load(_rewrite(quantized[0], tmp_path / "bad", nan))
+
+
 @pytest.mark.parametrize(
     "name, missing",
     [

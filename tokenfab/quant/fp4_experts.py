@@ -93,6 +93,8 @@ class PerExpertFp4Experts(Mxfp4Experts):
                 )
             tensor = tensor.view(torch.uint8)
             check_shape(f"FP4 expert scale {proj}", tensor, (rows, k // 32))
+            if bool((tensor == 0xFF).any()):  # E8M0's one special value
+                raise ValueError(f"FP4 expert scale {proj} holds 0xFF, E8M0's NaN")
             dst = self.w13_s if kind != "down" else self.w2_s
             suffix = "scale"
         else:
