@@ -4,7 +4,7 @@ Its contract: bit for bit the VNNI path's result. Where AMX is usable the real t
 with the VNNI path over edge shapes (else that test is skipped with the probe's reason). Everywhere:
 the library holds the AMX functions; a build whose four tile instructions are emulated in C
 (``-DTF_AMX_EMULATE``) runs the very kernel code -- tile layout, panel packing, partial tiles,
-float64 order -- against the VNNI path bit for bit, and through the selection (self-test included);
+float32 order -- against the VNNI path bit for bit, and through the selection (self-test included);
 the selection falls back, with its reason, at each condition that fails.
 """
 

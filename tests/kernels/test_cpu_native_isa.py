@@ -52,7 +52,7 @@ TOLERANCE = {
     "fp8": "AVX2 == AVX-512 bit for bit; the dequantized rows on every path (exact decode, one rounding)",
     "ggml_f32": "float32 tolerance between AVX2 and AVX-512: AVX-512 sums two blocks into two accumulator sets, "
                 "AVX2 (16 registers) one; AVX2 == AVX2+VNNI bit for bit",
-    "ggml_q8": "bit for bit on every path (integer block dots, float64 sum in one fixed order)",
+    "ggml_q8": "bit for bit on every path (integer block dots, float32 sum in block order)",
 }
 # cases equal on every path, scalar C included
 _EXACT_EVERYWHERE = ("ggml_q8_", "ggml_rows_", "fp8_dequant_", "argmax")

@@ -9,10 +9,9 @@
  *    - 8, Q4_1 bare nibbles (0..15): all fit signed bytes, so no +128 offset (TDPBUSD) and no
  *    compensation term are needed. The tile depth is one block (32 bytes, half of AMX's 64), so
  *    every block's sum stays apart and K need only be a multiple of 32;
- *  - the block terms are formed and summed in float64 exactly as there: t = (d_w * d_x) * dot
- *    (Q4_1: t = t + (m_w * d_x) * sum(q_x)), block b added into lane b % 8 in block order, the
- *    lanes summed ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), one rounding to float32; no
- *    FMA contraction, no reassociation (Q8_EXACT).
+ *  - the block terms are formed and summed in float32 exactly as there (ggml_q8.c, top):
+ *    t = dot * (d_w * d_x) (Q4_1: t = t + m_w * (d_x * sum(q_x))), added in block order; no FMA
+ *    contraction, no reassociation (Q8_EXACT).
  * A thread takes 16 weight rows at a time, expands their blocks once into tiles (the panel), and
  * passes every 16-row activation tile over them.
  *
@@ -192,31 +191,27 @@ Q8_EXACT AMX_TARGET __attribute__((noinline)) static void amx_tile(int qt, int m
                                                                     const uint8_t *panel, const float *dw,
                                                                     const float *mw, float *out, int64_t N) {
     const int64_t nb = K / 32;
-    double acc[TM][TN][8];
+    float acc[TM][TN];
     int32_t c[TM][TN];
-    memset(acc, 0, sizeof acc); /* +0.0: the VNNI path's zeroed lanes */
+    memset(acc, 0, sizeof acc); /* +0.0: the VNNI path's zeroed accumulators */
     for (int64_t b = 0; b < nb; b++) {
         TILE_LOADD(0, qm + b * 32, K);
         TILE_LOADD(1, panel + b * TILE_B, 64);
         TILE_ZERO(2);
         TILE_DPBSSD(2, 0, 1);
         TILE_STORED(2, c, 64);
-        const int lane = (int)(b & 7);
         const float *dwb = dw + b * TN, *mwb = mw + b * TN;
         for (int m = 0; m < mt; m++) {
-            const double dx = dm[m * nb + b], sx = (double)sm[m * nb + b];
+            const float dx = dm[m * nb + b], mdx = dx * (float)sm[m * nb + b];
             for (int n = 0; n < nt; n++) {
-                double t = ((double)dwb[n] * dx) * (double)c[m][n];
-                if (qt == GQ4_1) t = t + ((double)mwb[n] * dx) * sx;
-                acc[m][n][lane] = acc[m][n][lane] + t;
+                float t = (float)c[m][n] * (dwb[n] * dx);
+                if (qt == GQ4_1) t = t + mwb[n] * mdx;
+                acc[m][n] = acc[m][n] + t;
             }
         }
     }
     for (int m = 0; m < mt; m++)
-        for (int n = 0; n < nt; n++) {
-            const double *a = acc[m][n];
-            out[m * N + n] = (float)(((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])));
-        }
+        for (int n = 0; n < nt; n++) out[m * N + n] = acc[m][n];
 }
 
 /* x [M, K] quantized per 32-block to int8 (as ggml_matmul_q8), the block products on AMX tiles */

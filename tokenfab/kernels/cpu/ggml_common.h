@@ -20,8 +20,9 @@
  *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8
  *     (d = amax / 127, q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
  *     product (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C) scaled by d_w * d_x; Q4_1 adds
- *     m_w * d_x * sum(q_x). The block terms are summed in float64 in a fixed order and rounded to
- *     float32 once, so the result is bit for bit the torch reference's (ggml_matmul.py).
+ *     m_w * d_x * sum(q_x). The block terms are added in float32 in block order, each step one
+ *     rounding, so every path (row tiles, the many-row tiles of ggml_q8_tile.h, AMX) gives the
+ *     torch reference's result (ggml_matmul.py) bit for bit (ggml_q8.c, top).
  *
  * Code paths, chosen at build time from the compiler's target (the library is built with
  * -march=native): AVX-512F (+ AVX512-VNNI/VL or AVX-VNNI for q8), AVX2 + FMA (+ F16C), and portable

@@ -10,14 +10,14 @@ A packed weight is the GGUF tensor's raw bytes seen as a uint8 tensor ``[N, K/32
 - ``act="q8"`` (opt-in, faster): the activations are quantized per 32-block to int8, as llama.cpp
   does, with ``d = amax / 127`` (kept in float32, not rounded to float16), ``q = round-half-even(x *
   (1 / d))``; the blocks are then integer dot products (VNNI where the CPU has it), and the block
-  terms ``(d_w * d_x) * dot`` (Q4_1: ``+ (m_w * d_x) * sum(q_x)``) are summed in float64 in a fixed
-  order and rounded to float32 once: the kernel and ``ggml_matmul_reference`` agree bit for bit
-  (int8 rounding is chaotic: float32 summation-order differences made greedy paths part).
+  terms ``dot * (d_w * d_x)`` (Q4_1: ``+ m_w * (d_x * sum(q_x))``) are added in float32 in block
+  order, each step one IEEE rounding: every kernel path and ``ggml_matmul_reference`` agree bit for
+  bit (int8 rounding is chaotic: summation-order differences made greedy paths part).
 - ``ggml_matmul_reference`` (same signature): plain torch, the fallback (no compiler,
   ``TOKENFAB_CPU_NATIVE=0``, non-CPU tensors) and the test oracle.
 
 AMX (``ggml_amx.c``): ``act="q8"`` runs on AMX-INT8 tiles where they work, bit for bit the VNNI
-path's result (same int32 block sums, same float64 order). Chosen once per process
+path's result (same int32 block sums, same float32 order). Chosen once per process
 (``q8_path()``): the library holds the kernel (GCC >= 11, x86-64), ``amx_status()`` says usable
 (cpuid, XCR0, ``arch_prctl(ARCH_REQ_XCOMP_PERM)`` and one tile instruction, in a child process,
 because some VMs report AMX and then fault), ``TOKENFAB_AMX`` is not 0, this process is granted
@@ -105,52 +105,49 @@ def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _unpack(w: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Packed weight -> (integer quants as float64 ``[K/32, 32, N]``, float64 ``d [K/32, N]``, Q4_1's
-    float64 ``m [K/32, N]`` or None); Q4_0's quants are ``q - 8``, Q4_1's the bare nibbles."""
+    """Packed weight -> (integer quants as float64 ``[K/32, 32, N]``, float32 ``d [K/32, N]``, Q4_1's
+    float32 ``m [K/32, N]`` or None); Q4_0's quants are ``q - 8``, Q4_1's the bare nibbles."""
     blocks = w.reshape(w.shape[0], k // 32, BLOCK_BYTES[qtype])
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].double()
-    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].double().T if qtype == "Q4_1" else None
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float().T
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float().T if qtype == "Q4_1" else None
     if qtype == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).double()
     else:
         qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).double() - (8 if qtype == "Q4_0" else 0)
-    return q.permute(1, 2, 0), d.T, m
+    return q.permute(1, 2, 0), d, m
 
 
-_Q8_CHUNK = 1 << 22  # float64 block terms held at once by the q8 reference (32 MiB)
+_Q8_CHUNK = 1 << 22  # activation rows x weight rows of float32 terms held at once by the q8 reference
 
 
 def _q8_reference(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
-    """The C kernel's q8 arithmetic step for step: per block the exact integer dot product, the term
-    ``(d_w * d_x) * dot`` (+ ``(m_w * d_x) * sum(q_x)``) in float64, block b added into lane b % 8
-    in block order, the lanes summed ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), one
-    rounding to float32 (ggml_q8.c)."""
+    """The C kernels' q8 arithmetic step for step (ggml_q8.c, top): per block the exact integer dot
+    product, the float32 term ``dot * (d_w * d_x)`` (Q4_1: ``+ m_w * (d_x * sum(q_x))``), added
+    into a float32 accumulator in block order."""
     qx, dx = quantize_act_q8(x)
     qw, dw, mw = _unpack(w, qtype, k)
     mrows, n, nb = x.shape[0], w.shape[0], k // 32
-    lanes = -(-nb // 8) * 8
     out = torch.empty(mrows, n, dtype=torch.float32, device=x.device)
-    step = max(1, _Q8_CHUNK // max(1, n * lanes))
+    step = max(1, _Q8_CHUNK // max(1, n))
     for r0 in range(0, mrows, step):
         qb = qx[r0:r0 + step].double().reshape(-1, nb, 32).transpose(0, 1)  # [nb, m, 32]
-        dxb = dx[r0:r0 + step].double().T[:, :, None]  # [nb, m, 1]
-        terms = (dw[:, None, :] * dxb) * torch.bmm(qb, qw)  # integer sums < 2^53: exact in any order
-        if mw is not None:
-            terms = terms + (mw[:, None, :] * dxb) * qb.sum(-1, keepdim=True)
-        terms = torch.nn.functional.pad(terms, (0, 0, 0, 0, 0, lanes - nb)).reshape(lanes // 8, 8, *terms.shape[1:])
-        acc = torch.zeros_like(terms[0])
-        for g in range(terms.shape[0]):
-            acc = acc + terms[g]
-        acc = acc[:4] + acc[4:]
-        acc = acc[:2] + acc[2:]
-        out[r0:r0 + step] = (acc[0] + acc[1]).float()
+        dots = torch.bmm(qb, qw).float()  # integers < 2^24: exact in float64 and in float32
+        dxb = dx[r0:r0 + step].T  # [nb, m] float32
+        mdx = dxb * qb.sum(-1).float()  # d_x * sum(q_x), one float32 rounding
+        acc = torch.zeros(dxb.shape[1], n, dtype=torch.float32, device=x.device)
+        for b in range(nb):
+            t = dots[b] * (dw[b][None, :] * dxb[b][:, None])
+            if mw is not None:
+                t = t + mw[b][None, :] * mdx[b][:, None]
+            acc = acc + t
+        out[r0:r0 + step] = acc
     return out
 
 
 def ggml_matmul_reference(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int, *, act: str = "f32") -> torch.Tensor:
     """``x @ dequant(w).T``; with ``act="q8"`` the activations go through ``quantize_act_q8`` and the
-    product is the C kernel's exact float64 block sum (``_q8_reference``)."""
+    product is the C kernels' float32 block sum in block order (``_q8_reference``)."""
     _check_matmul(x, w, qtype, k, act)
     if act == "q8" and x.shape[0]:
         return _q8_reference(x, w, qtype, k)
@@ -363,4 +360,6 @@ def ggml_kernel_info() -> dict:
     return {"native": True, "isa": isa, "vnni": bool(bits & 4), "f16c": bool(bits & 8), "amx": amx, "amx_reason": why,
             "q8_path": path, "q8_reason": path_why, "threads": torch.get_num_threads(),
             # f32 products of at least this many rows take the panel kernel (kernels/cpu/crossover.py)
-            "f32_panel_min_rows": int(lib.ggml_panel_min_rows())}
+            "f32_panel_min_rows": int(lib.ggml_panel_min_rows()),
+            # q8 products of at least this many rows take the many-row tiles (0: not in this build)
+            "q8_tile_min_rows": int(lib.ggml_q8_tile_min_rows())}
