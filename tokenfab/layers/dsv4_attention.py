@@ -18,7 +18,8 @@ rows of its last R = ``token_rows_read()`` tokens (kv, then the compressors' C a
 reads of them), and ``comp_cache`` [num_blocks, max(1, bs // m), D (+ d_I)], the compressed entries in the
 paged cache at the layout of ``CompressedLayout``. The attention streams the rows it names and the indexer
 scores the entries it names (``kernels.dsv4_attention``: Triton, or the PyTorch references); the compressors
-are PyTorch over gathered rows. Checkpoint names (the official
+close their windows through ``kernels.dsv4_compressor`` (Triton, or its PyTorch reference), reading the slot
+rows in place. Checkpoint names (the official
 layout): ``layers.{i}.attn.{wq_a,q_norm,wq_b,wkv,norm,wo_a,wo_b,attn_sink,compressor.*,indexer.*}``.
 """
 
