@@ -185,3 +185,25 @@ def test_a_read_that_does_not_deliver_falls_back_to_a_local_prefill(engines, mon
             hook.fetcher.wait(0.01)
         assert conn.staging.num_held == 0
     conn.staging.check_invariants()
+
+
+def test_a_tail_rides_along_decode_steps_a_token_at_a_time(engines):
+    producer, consumer, reference = engines
+    assert consumer.kv_transfer.throttle_tails  # a CPU engine
+    text = _texts(1, "tail")[0] + " And one more line."
+    params = _prefill_leg(producer, text)
+    consumer.add_request("decoding", "Write about glass.", SamplingParams(temperature=0, max_tokens=400))
+    while not consumer.scheduler.running or not consumer.scheduler.running[0].is_decoding:
+        consumer.step()
+    rid = _decode_leg(consumer, text, params)
+    chunks, done = [], {}
+    while rid not in done:  # the other request decodes throughout (it has 400 tokens to go)
+        for out in consumer.step():
+            if out.finished:
+                done[out.request_id] = out
+        chunks.append(consumer.get_stats().last_step_prefill_tokens)
+    consumer.abort_request("decoding")
+    n, block = len(done[rid].prompt_token_ids), ENGINE["block_size"]
+    tail = n - (n - 1) // block * block  # the tokens after the transferred blocks
+    assert tail > 1 and chunks.count(1) == tail and max(chunks) == 1  # one prompt token a step
+    assert done[rid].outputs[0].text == _expected(reference, [text])[0]

@@ -255,7 +255,7 @@ class LLMEngine:
                     raise
                 raise self.tp._dead_error(e) from e  # the workers may be stuck in a collective
         if self.kv_transfer is not None:  # decode legs whose blocks arrived (waits briefly if nothing else runs)
-            for seq in self.kv_transfer.admit_ready(idle=not self.scheduler.has_unfinished()):
+            for seq in self.kv_transfer.admit_ready(not self.scheduler.has_unfinished(), self.scheduler.running):
                 self.scheduler.add(seq)
         if self._overlap is not None:
             return self._overlap.step()

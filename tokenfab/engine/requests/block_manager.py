@@ -187,7 +187,10 @@ class BlockManager:
         return keep
 
     def align_chunk(self, seq: Sequence, n: int) -> int:
-        """``n`` new tokens, cut to end on a block boundary under hybrid prefix caching (else ``n``)."""
+        """``n`` new tokens, cut to end on a block boundary under hybrid prefix caching (else ``n``), and to the
+        sequence's ``max_prefill_chunk`` when set."""
+        if seq.max_prefill_chunk is not None:
+            n = min(n, seq.max_prefill_chunk)
         if self.state_snapshots is None:
             return n
         return self.state_snapshots.align_chunk(seq.num_computed_tokens, n, seq.num_tokens, self.block_size,

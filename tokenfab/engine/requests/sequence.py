@@ -62,6 +62,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks, in order
         self.num_committed_blocks = 0  # leading blocks of block_table already offered to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        # the most prompt tokens one step computes for this sequence (None: the budget's); a P/D decode leg's
+        # tail rides along others' decode steps a token at a time (engine/runner/pd_hook.py)
+        self.max_prefill_chunk: int | None = None
         # whether the sampler must edit this request's logits at every step (min_tokens aside)
         self.edits_logits = bool(
             params.logit_bias or params.presence_penalty or params.frequency_penalty

@@ -11,6 +11,10 @@ request arrives, is aborted, or finishes, with ``engine/kv_transfer/pd_connector
   request parked past ``transfer_timeout_s`` (its read still queued or stuck), is queued all the same and
   prefilled locally. Parked requests count as unfinished (the engine loop keeps stepping); aborting one cancels
   its read and gives up its blocks.
+- On a CPU, a decode leg whose blocks came over computes the rest of its prompt (up to a block) at most
+  ``TAIL_TOKENS_PER_STEP`` tokens a step while other sequences decode (``Sequence.max_prefill_chunk``): there a
+  step costs a fixed part plus about as much per token, so a 15-token tail in one step would be a decode gap
+  several times the usual; alone, it is computed at once.
 - Parameters on an instance started without ``--kv-transfer-config``, or asking a role it was not given, are a
   ValueError (a 400): a prefill leg that silently decoded everything would hide a misconfigured fleet.
 """
@@ -27,7 +31,7 @@ from tokenfab.engine.kv_transfer.pd_params import check_params
 from tokenfab.engine.kv_transfer.transfer_config import KVTransferConfig
 from tokenfab.engine.requests.block_manager import BlockManager, hash_block, root_digest
 from tokenfab.engine.requests.outputs import RequestOutput
-from tokenfab.engine.requests.sequence import Sequence
+from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
 from tokenfab.engine.runner.kv_offload import runner_block_io
 from tokenfab.engine.runner.model_runner import ModelRunner
 
@@ -37,6 +41,8 @@ log = logging.getLogger("tokenfab")
 PARKED_WAIT_S = 0.005
 #: a parked request is queued (and prefilled locally) this long after its read's own timeout, whatever the read does
 PARK_GRACE_S = 1.0
+#: prompt tokens a transferred decode leg computes per step while others decode, on a CPU (see above)
+TAIL_TOKENS_PER_STEP = 1
 
 
 def prompt_digests(seq: Sequence, block_size: int, num_tokens: int) -> list[bytes]:
@@ -67,6 +73,8 @@ class PDHook:
         # request id -> (a parked decode leg, its read, the monotonic time it is queued regardless)
         self._parked: dict[str, tuple[Sequence, FetchJob, float]] = {}
         self.fetcher = BackgroundFetcher() if cfg.is_consumer else None
+        self.throttle_tails = False  # pd_hook_for: on a CPU
+        self._tails: list[Sequence] = []  # admitted decode legs with transferred blocks, prompt not done
 
     @property
     def num_parked(self) -> int:
@@ -104,9 +112,12 @@ class PDHook:
 
         return FetchJob(seq.request_id, run, lambda: self.connector.drop(digests))
 
-    def admit_ready(self, idle: bool) -> list[Sequence]:
+    def admit_ready(self, idle: bool, running: list[Sequence]) -> list[Sequence]:
         """The parked requests to queue now: their reads ended (blocks held, or failed: prefilled locally), or
-        they waited past their deadline. ``idle`` (nothing else to run): wait a little for a read first."""
+        they waited past their deadline. ``idle`` (nothing else to run): wait a little for a read first.
+        ``running``: the scheduler's, for the tails' chunk limit."""
+        if self._tails:
+            self._limit_tails(running)
         if not self._parked:
             return []
         if idle:
@@ -120,6 +131,9 @@ class PDHook:
                 continue
             del self._parked[job.request_id]
             ready.append(entry[0])
+            if job.blocks and self.throttle_tails:
+                self._tails.append(entry[0])
+                self._limit_tails(running)
         now = time.monotonic()
         for rid, (seq, job, deadline) in list(self._parked.items()):
             if now >= deadline:
@@ -129,6 +143,21 @@ class PDHook:
                 del self._parked[rid]
                 ready.append(seq)
         return ready
+
+    def _limit_tails(self, running: list[Sequence]) -> None:
+        """Each step: the tails still to compute get ``TAIL_TOKENS_PER_STEP`` when another sequence decodes. One
+        that has more than a block to compute (a block evicted before it loaded, a preemption) is let go."""
+        decoding = any(s.is_decoding for s in running)
+        tails = []
+        for seq in self._tails:
+            left = seq.num_prompt_tokens - seq.num_computed_tokens
+            short = seq.num_preemptions == 0 and (seq.status != SequenceStatus.RUNNING or left <= self.bm.block_size)
+            if seq.is_finished or left <= 0 or not short:
+                seq.max_prefill_chunk = None
+                continue
+            seq.max_prefill_chunk = TAIL_TOKENS_PER_STEP if decoding else None
+            tails.append(seq)
+        self._tails = tails
 
     def on_abort(self, request_id: str) -> None:
         self._producing.pop(request_id, None)
@@ -184,4 +213,6 @@ def pd_hook_for(args: Any, runner: ModelRunner, block_manager: BlockManager, spe
     connector = connector_module.PDConnector(cfg, runner_block_io(runner), block_manager.block_size)
     if cfg.is_consumer:
         block_manager.connector = connector
-    return PDHook(cfg, connector, block_manager)
+    hook = PDHook(cfg, connector, block_manager)
+    hook.throttle_tails = runner.device.type == "cpu"
+    return hook
