@@ -47,6 +47,9 @@ class EngineArgs:
     # background work exists. background_max_prefill_tokens None or 0: no cap
     background_decodes_while_online: bool | str = "auto"
     background_max_prefill_tokens: int | str | None = "auto"
+    # while online traffic is present (scheduler.py): the most background tokens (decode rows + prefill) a step;
+    # "auto": BACKGROUND_TOKENS_PER_CPU_THREAD per engine thread on a CPU, no cap on a GPU; None or 0: no cap
+    background_max_tokens_while_online: int | str | None = "auto"
     # overlap scheduling (vLLM's name): step N+1 is scheduled and launched before step N's tokens
     # reach the host; off by default until measured on GPU (engine/overlap.py)
     async_scheduling: bool = False
@@ -99,7 +102,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         KVTransferConfig.parse(self.kv_transfer_config)  # a bad config fails here, before the model loads
-        background_limits(self, "cpu")  # a bad background setting fails here
+        background_limits(self, "cpu", cpu_threads=1)  # a bad background setting fails here (threads: no torch)
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ValueError(f"num_state_slots must be at least 1, got {self.num_state_slots!r}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
@@ -174,6 +177,12 @@ class EngineArgs:
                             help="at most this many background prefill tokens in any step, online work or not; "
                             "bounds the step an arriving online request waits behind. 0: no cap; auto (default): "
                             f"{CPU_BACKGROUND_MAX_PREFILL_TOKENS} on a CPU, no cap on a GPU")
+        parser.add_argument("--background-max-tokens-while-online", type=_max_prefill_tokens, default="auto",
+                            help="while online requests are in the engine (or left it under a second ago), "
+                            "background work (decode rows and prefill tokens together) takes at most this many "
+                            "tokens a step, so an arriving online request waits behind a small step. 0: no cap; "
+                            f"auto (default): {BACKGROUND_TOKENS_PER_CPU_THREAD} per engine CPU thread on a CPU, "
+                            "no cap on a GPU")
         parser.add_argument("--async-scheduling", action="store_true",
                             help="overlap scheduling: schedule step N+1 while step N runs on the device; sampled "
                             "tokens feed the next step without a host sync, stop checks run one step behind")
@@ -246,6 +255,10 @@ class EngineArgs:
 
 
 CPU_BACKGROUND_MAX_PREFILL_TOKENS = 16  # measured: docs/batches.md, benchmarks/results/lora_bench.md
+# on a CPU a step costs a fixed part (~8 ms on 2 threads, bundled model) plus ~1.3 ms a row (decode or prompt
+# token) divided among the threads: 2 rows a thread keep a background step near 1.3x the fixed part, a third of
+# an online 26-token prefill (docs/batches.md)
+BACKGROUND_TOKENS_PER_CPU_THREAD = 2
 
 
 def _max_prefill_tokens(text: str) -> int | str:
@@ -260,11 +273,28 @@ def _max_prefill_tokens(text: str) -> int | str:
     return value
 
 
-def background_limits(args: EngineArgs, device_type: str) -> tuple[bool, int | None]:
-    """(background decodes go on while online work is pending, background prefill tokens a step or None for no
-    cap) for an engine on ``device_type``, "auto" resolved: on a CPU decodes paused and
-    ``CPU_BACKGROUND_MAX_PREFILL_TOKENS``, on a GPU decodes on and no cap. ValueError for a bad setting."""
+def background_limits(args: EngineArgs, device_type: str,
+                      cpu_threads: int | None = None) -> tuple[bool, int | None, int | None]:
+    """(background decodes go on while online work is pending, background prefill tokens a step, background
+    tokens a step while online traffic is present; None: no cap) for an engine on ``device_type`` computing
+    with ``cpu_threads`` threads (None: torch's count), "auto" resolved: on a CPU decodes paused,
+    ``CPU_BACKGROUND_MAX_PREFILL_TOKENS`` and ``BACKGROUND_TOKENS_PER_CPU_THREAD`` per thread; on a GPU decodes on
+    and no caps. ValueError for a bad setting."""
     decodes, cap = args.background_decodes_while_online, args.background_max_prefill_tokens
+    online_cap = args.background_max_tokens_while_online
+    if online_cap == "auto":
+        if device_type == "cpu":
+            if cpu_threads is None:
+                import torch  # lazy: this module is the CLI's
+
+                cpu_threads = torch.get_num_threads()
+            online_cap = BACKGROUND_TOKENS_PER_CPU_THREAD * max(1, cpu_threads)
+        else:
+            online_cap = None
+    elif online_cap is not None and (isinstance(online_cap, bool) or not isinstance(online_cap, int)
+                                     or online_cap < 0):
+        raise ValueError("background_max_tokens_while_online must be a number of tokens >= 0 (0: no cap), None or "
+                         f"'auto', got {online_cap!r}")
     cpu = device_type == "cpu"
     if decodes == "auto":
         decodes = not cpu
@@ -275,4 +305,4 @@ def background_limits(args: EngineArgs, device_type: str) -> tuple[bool, int | N
     elif cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         raise ValueError(f"background_max_prefill_tokens must be a number of tokens >= 0 (0: no cap), None or "
                          f"'auto', got {cap!r}")
-    return decodes, cap or None
+    return decodes, cap or None, online_cap or None

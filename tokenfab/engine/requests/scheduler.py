@@ -16,15 +16,25 @@ within ``background_prefill_share`` of the step's token budget. With no online w
 prefilling, background work is scheduled like any other and may use the whole budget, or at most
 ``background_max_prefill_tokens`` prefill tokens a step when that is set: an online request that
 arrives waits for the step in flight, so on a compute-bound device (a CPU) this bounds its wait.
+While online traffic is present (an online request in the engine, or one left it less than
+``ONLINE_LINGER_S`` ago), background work (its decode rows and prefill tokens together) takes at most
+``background_max_tokens_while_online`` tokens of a step: on a CPU a step costs a fixed part plus about the
+same per row, decode or prompt token, so a small background step is what keeps the next online arrival's
+wait short while the batch still advances every step.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenfab.engine.requests.block_manager import BlockManager
 from tokenfab.engine.requests.sequence import Sequence, SequenceStatus
+
+# online traffic counts as present this long after the last online request left the engine (see online_present)
+ONLINE_LINGER_S = 1.0
 
 
 @dataclass
@@ -71,6 +81,7 @@ class Scheduler:
         background_prefill_share: float = 0.0,
         background_decodes_while_online: bool = True,
         background_max_prefill_tokens: int | None = None,
+        background_max_tokens_while_online: int | None = None,
     ) -> None:
         if not 0.0 <= background_prefill_share <= 1.0:
             raise ValueError(f"background_prefill_share must be in [0, 1], got {background_prefill_share!r}")
@@ -86,6 +97,14 @@ class Scheduler:
         if background_max_prefill_tokens is not None and background_max_prefill_tokens < 1:
             raise ValueError(f"background_max_prefill_tokens must be at least 1, got {background_max_prefill_tokens!r}")
         self.background_max_prefill_tokens = background_max_prefill_tokens
+        # while online traffic is present: the most background tokens (decode rows + prefill) in one step (None:
+        # no such cap). ``clock`` says when online work was last seen (tests give their own)
+        if background_max_tokens_while_online is not None and background_max_tokens_while_online < 1:
+            raise ValueError("background_max_tokens_while_online must be at least 1, got "
+                             f"{background_max_tokens_while_online!r}")
+        self.background_max_tokens_while_online = background_max_tokens_while_online
+        self.clock: Callable[[], float] = time.monotonic
+        self._online_seen_at: float | None = None
         self.waiting: list[Sequence] = []  # sorted by sort_key (background last: its priority is the largest)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions_total = 0
@@ -132,6 +151,15 @@ class Scheduler:
             return True
         return any(not s.is_background and not s.is_decoding for s in self.running)
 
+    def online_present(self) -> bool:
+        """Whether online traffic is present: an online request in the engine (waiting, prefilling or
+        decoding), or one was there less than ``ONLINE_LINGER_S`` ago (the next one of a stream, or of a
+        client between two requests, is likely on its way). Records the time it was last seen."""
+        if (self.waiting and not self.waiting[0].is_background) or any(not s.is_background for s in self.running):
+            self._online_seen_at = self.clock()
+            return True
+        return self._online_seen_at is not None and self.clock() - self._online_seen_at < ONLINE_LINGER_S
+
     # ---- the step's batch -----------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -141,18 +169,29 @@ class Scheduler:
             else self.background_max_prefill_tokens
         if pending:
             cap = min(cap, int(self.background_prefill_share * self.max_num_batched_tokens))
+        room = self.max_num_batched_tokens  # background tokens of any kind this step may take
+        if self.background_max_tokens_while_online is not None and self.online_present():
+            room = self.background_max_tokens_while_online
         # with no online work pending (and no cap) this is the old order: decodes, prefill chunks, admissions
         self._schedule_running(batch, [s for s in self.running if not s.is_background], self._budget_left(batch))
         self._admit(batch, self._budget_left(batch), online=True)
         background = [s for s in self.running if s.is_background]
-        self._schedule_running(batch, [s for s in background if decoding and s.is_decoding], self._budget_left(batch))
+        self._schedule_running(batch, [s for s in background if decoding and s.is_decoding],
+                               min(self._budget_left(batch), room - self._background(batch)))
         capped = [s for s in background if not (decoding and s.is_decoding)]
-        self._schedule_running(batch, capped, min(self._budget_left(batch), cap - self._capped(batch, decoding)))
-        self._admit(batch, min(self._budget_left(batch), cap - self._capped(batch, decoding)), online=False)
+        self._schedule_running(batch, capped, min(self._budget_left(batch), cap - self._capped(batch, decoding),
+                                                  room - self._background(batch)))
+        self._admit(batch, min(self._budget_left(batch), cap - self._capped(batch, decoding),
+                               room - self._background(batch)), online=False)
         return batch
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_prefill_tokens - batch.num_decode_tokens
+
+    @staticmethod
+    def _background(batch: ScheduledBatch) -> int:
+        """Background tokens of the step's batch, decode rows and prefill chunks alike."""
+        return sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.is_background)
 
     @staticmethod
     def _capped(batch: ScheduledBatch, decoding: bool) -> int:
