@@ -50,8 +50,8 @@ TOLERANCE = {
                    "scalar: float32 tolerance",
     "w4a16": "AVX2 == AVX-512 bit for bit (exact table decode, one compiled dot loop); scalar: float32 tolerance",
     "fp8": "AVX2 == AVX-512 bit for bit; the dequantized rows on every path (exact decode, one rounding)",
-    "ggml_f32": "float32 tolerance between AVX2 and AVX-512: AVX-512 sums two blocks into two accumulator sets, "
-                "AVX2 (16 registers) one; AVX2 == AVX2+VNNI bit for bit",
+    "ggml_f32": "float32 tolerance between AVX2 and AVX-512: one accumulator per output, 16 lanes wide on AVX-512, "
+                "8 on AVX2 (ggml_f32_vec.h); AVX2 == AVX2+VNNI bit for bit",
     "ggml_q8": "bit for bit on every path (integer block dots, float32 sum in block order)",
 }
 # cases equal on every path, scalar C included

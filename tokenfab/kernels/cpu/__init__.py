@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "ggml_amx.c", "w4a16.c",
             "fp8_matmul.c", "threads.c", "llama_step.c")
-_HEADERS = ("common.h", "ggml_common.h", "ggml_f32_panel.h", "ggml_q8_tile.h", "paged_attention.h",
-            "paged_attention_vec.h", "paged_attention_prefill.h")
+_HEADERS = ("common.h", "ggml_common.h", "ggml_f32_vec.h", "ggml_f32_gemv.h", "ggml_f32_panel.h", "ggml_q8_tile.h",
+            "paged_attention.h", "paged_attention_vec.h", "paged_attention_prefill.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
 # is not pulled into the library.

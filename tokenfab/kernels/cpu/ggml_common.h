@@ -12,11 +12,11 @@
  * Two activation modes:
  *   f32 (ggml_matmul_f32): each weight block is dequantized in registers and multiplied with the
  *     float32 activations (W4A32 / W8A32): float32 results, only the summation order differs from
- *     x @ dequant(w).T. A thread takes NC weight rows at a time and passes every tile of MT_MAX
- *     activation rows over them, dequantizing each block once per tile: at one tile (decode) each
- *     weight byte is read once; at many (prefill) the NC rows stay in L1. (A panel of weights
- *     dequantized once into a float buffer, then a register-tiled GEMM, measured 25% slower: the
- *     in-register dequantization overlaps the FMAs, the buffer's stores and loads do not.)
+ *     x @ dequant(w).T, and it is one order for every kernel and batch size (ggml_f32_vec.h). Few
+ *     rows (decode): GEMV tiles dequantize each block in registers once per tile of MT_MAX
+ *     activation rows x GR weight rows, so each weight byte is read once (ggml_f32_gemv.h). Many
+ *     rows: a thread's weight rows are dequantized once into a float panel, then 4 x 6 register
+ *     tiles (AVX-512) run over it (ggml_f32_panel.h). The switch is measured (crossover.py).
  *   q8 (ggml_matmul_q8, in ggml_q8.c): the activations are first quantized per 32-block to int8
  *     (d = amax / 127, q = round-to-nearest-even(x * (1 / d)), d kept in float32), then each block is an integer dot
  *     product (VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C) scaled by d_w * d_x; Q4_1 adds

@@ -1,71 +1,75 @@
-/* The f32-activation kernel for many activation rows (prefill chunks, large decode batches), included
- * by ggml_matmul.c after gemv_row (it uses its vector layer, deq_block, row_scales and row_total).
+/* The f32-activation GGML kernel for many activation rows (prefill chunks, large decode batches), and
+ * the row-invariant float32 product, included by ggml_matmul.c after ggml_f32_gemv.h.
  *
- * gemv_row dequantizes each weight block once per tile of MT_MAX activation rows, and at 4 rows a
- * tile about half of its instructions are that dequantization. Here a thread dequantizes its NC
- * weight rows once into a float panel (deq_block: the same values), then register tiles of PM
- * activation rows x PN weight rows run FMAs over the panel and the activation rows, both in cache.
+ * A thread dequantizes PNC weight rows at a time into a float panel (deq_block: the values the GEMV
+ * tiles compute in registers), then register tiles of PM activation rows x PN weight rows run over the
+ * panel: per VW-wide slice of K, PM + PN vector loads feed PM * PN FMAs (AVX-512: 4 x 6, 10 loads per
+ * 24 FMAs; AVX2: 3 x 4). Float32 weights (matmul_f32_rowinv) are their own panel.
  *
- * Same bits as gemv_row: every (activation row, weight row) sum runs in gemv_row's order -- block b
- * into accumulator set b % U, vector v of the block into accumulator v, then row_total -- so a row's
- * result does not depend on which kernel its batch size picked (batch invariance, and the C step's
- * equality with the Python layers, hold across PANEL_MIN_ROWS). Only the vector builds use it: the
- * portable build's scalar loops are left to the compiler, whose -ffast-math vectorization could
- * order the two kernels' sums differently. */
+ * Same bits as the GEMV tiles: each output is one accumulator summed in THE ORDER (ggml_f32_vec.h),
+ * so a row's result does not depend on the kernel its batch size picked (batch invariance, and the C
+ * step's equality with the Python layers, hold across the crossover). Vector builds only: the
+ * portable build has gemv_row alone. */
 
 #if GG_AVX512
-#define PM 3 /* 2 sets x 2 vectors x 3 x 2 = 24 accumulators + 5 operands in 32 registers */
-#define PN 2
-#define PU 2
+#define PM 4 /* 4 x 6 accumulators + 4 activation vectors + 1 weight vector in 32 registers */
+#define PN 6
 #elif GG_AVX2
-#define PM 3 /* 4 vectors x 3 x 1 = 12 accumulators + 4 operands in 16 registers */
-#define PN 1
-#define PU 1
+#define PM 3 /* 3 x 4 accumulators + 3 + 1 in 16 registers */
+#define PN 4
 #endif
 
 #if GG_AVX512 || GG_AVX2
 #define PANEL 1
+#define PNC (4 * PN) /* weight rows a thread dequantizes into its panel at a time */
 /* activation rows from which ggml_matmul_f32 takes the panel kernel (the bits are the same either way) */
 #define PANEL_MIN_ROWS 6
 
-/* out[m * N + n] for the mt x nt tile: activation rows x (row stride K), weight rows panel (stride K) */
-AI void panel_tile(int mt, int nt, const float *panel, const float *x, int64_t K, float *out, int64_t N) {
-    const int64_t nb = K / 32;
-    vf acc[PU][NV][PM][PN];
-    for (int u = 0; u < PU; u++)
-        for (int v = 0; v < NV; v++)
-            for (int m = 0; m < mt; m++)
-                for (int n = 0; n < nt; n++) acc[u][v][m][n] = v_zero();
-    /* blocks b, b + 1 into sets 0, 1 (compile-time indices: the accumulators stay in registers) */
-    int64_t b = 0;
-    for (; b + PU <= nb; b += PU)
-        for (int u = 0; u < PU; u++)
-            for (int v = 0; v < NV; v++) {
-                vf wv[PN], xv[PM];
-                const int64_t off = (b + u) * 32 + v * VW;
-                for (int n = 0; n < nt; n++) wv[n] = v_load(panel + n * K + off);
-                for (int m = 0; m < mt; m++) xv[m] = v_load(x + m * K + off);
-                for (int m = 0; m < mt; m++)
-                    for (int n = 0; n < nt; n++) acc[u][v][m][n] = v_fma(wv[n], xv[m], acc[u][v][m][n]);
-            }
-    for (; b < nb; b++) /* an odd last block: set 0, as in gemv_row */
-        for (int v = 0; v < NV; v++) {
-            vf wv[PN], xv[PM];
-            const int64_t off = b * 32 + v * VW;
-            for (int n = 0; n < nt; n++) wv[n] = v_load(panel + n * K + off);
-            for (int m = 0; m < mt; m++) xv[m] = v_load(x + m * K + off);
-            for (int m = 0; m < mt; m++)
-                for (int n = 0; n < nt; n++) acc[0][v][m][n] = v_fma(wv[n], xv[m], acc[0][v][m][n]);
-        }
+/* out[m * N + n] = dot(x row m, w row n) for m < mt, n < nt: x rows at stride ldx, w rows (floats) at
+ * stride ldw, K any size (a last partial slice zero-padded). Rows n >= nt repeat row nt - 1 (read, not
+ * stored). */
+AI void mk_tile(int mt, int nt, const float *w, int64_t ldw, const float *x, int64_t ldx, int64_t K, float *out,
+                int64_t N) {
+    const float *wr[PN], *xr[PM];
+    for (int n = 0; n < PN; n++) wr[n] = w + (n < nt ? n : nt - 1) * ldw;
+    for (int m = 0; m < mt; m++) xr[m] = x + m * ldx;
+    vf acc[PM][PN];
     for (int m = 0; m < mt; m++)
-        for (int n = 0; n < nt; n++) {
-            vf a[NV], c[NV];
-            for (int v = 0; v < NV; v++) {
-                a[v] = acc[0][v][m][n];
-                c[v] = acc[PU - 1][v][m][n];
-            }
-            out[m * N + n] = row_total(a, PU == 2 ? c : NULL);
+        for (int n = 0; n < PN; n++) acc[m][n] = v_zero();
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf xv[PM];
+        for (int m = 0; m < mt; m++) xv[m] = v_load(xr[m] + k);
+        for (int n = 0; n < PN; n++) {
+            vf wv = v_load(wr[n] + k);
+            PIN(wv); /* one load, in a register: else GCC folds it into each of the mt FMAs */
+            for (int m = 0; m < mt; m++) acc[m][n] = v_fma(wv, xv[m], acc[m][n]);
         }
+    }
+    if (k < K) { /* float32 weights only: the last K % VW columns, zero-padded */
+        const int kt = (int)(K - k);
+        vf xv[PM];
+        for (int m = 0; m < mt; m++) xv[m] = v_load_part(xr[m] + k, kt);
+        for (int n = 0; n < PN; n++) {
+            const vf wv = v_load_part(wr[n] + k, kt);
+            for (int m = 0; m < mt; m++) acc[m][n] = v_fma(wv, xv[m], acc[m][n]);
+        }
+    }
+#if GG_AVX512
+    /* weight rows 0..3, then 4..5, sixteen sums a tree: lane 4m + j holds output (m, n0 + j) */
+    for (int n0 = 0; n0 < PN; n0 += 4) {
+        vf a[16];
+        for (int j = 0; j < 4; j++)
+            for (int m = 0; m < 4; m++) a[4 * j + m] = (m < mt && n0 + j < PN) ? acc[m][n0 + j] : v_zero();
+        float t[16];
+        _mm512_storeu_ps(t, tree16(a));
+        for (int m = 0; m < mt; m++)
+            for (int j = 0; j < 4 && n0 + j < nt; j++) out[m * N + n0 + j] = t[4 * m + j];
+    }
+#else
+    for (int m = 0; m < mt; m++)
+        for (int n = 0; n < nt; n++) out[m * N + n] = v_sum_pinned(acc[m][n]);
+#endif
 }
 
 /* rows [n0, n1) of the packed weight, dequantized into panel [n1 - n0, K] */
@@ -87,28 +91,26 @@ AI void fill_panel(int qt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1,
     }
 }
 
-#define PANEL_TILE(MT)                                                                       \
-    do {                                                                                     \
-        if (nt == PN) panel_tile(MT, PN, pn, xm, K, res, N);                                \
-        else panel_tile(MT, 1, pn, xm, K, res, N);                                          \
-    } while (0)
+#define MK_TILE(MT) mk_tile(MT, nt, pw + (n - n0) * K, K, xm, K, K, res, N)
 
-/* x [M, K] @ dequant(w).T for quantized weights (K a multiple of 32); TF_ENOMEM without a panel */
+/* x [M, K] @ dequant(w).T, or x @ w.T for float32 weights (qt GF32, K any size); TF_ENOMEM without a panel */
 static int panel_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
-    const int64_t rb = K / 32 * BLOCK_BYTES[qt], chunks = (N + NC - 1) / NC;
+    const int64_t rb = qt == GF32 ? K * 4 : K / 32 * BLOCK_BYTES[qt], chunks = (N + PNC - 1) / PNC;
     int failed = 0;
 #pragma omp parallel num_threads(tf_nthreads()) if (N * K * M >= PAR_MIN_WORK)
     {
-        float *panel = malloc(sizeof(float) * (size_t)(NC * K));
-        if (!panel) {
+        float *panel = qt == GF32 ? NULL : malloc(sizeof(float) * (size_t)(PNC * K));
+        if (qt != GF32 && !panel) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
-            if (!panel) continue;
-            const int64_t n0 = c * NC, n1 = n0 + NC < N ? n0 + NC : N;
-            if (qt == GQ8_0) fill_panel(GQ8_0, w, rb, n0, n1, K, panel);
+            if (qt != GF32 && !panel) continue;
+            const int64_t n0 = c * PNC, n1 = n0 + PNC < N ? n0 + PNC : N;
+            const float *pw = panel;
+            if (qt == GF32) pw = (const float *)(w + n0 * rb);
+            else if (qt == GQ8_0) fill_panel(GQ8_0, w, rb, n0, n1, K, panel);
             else if (qt == GQ4_0) fill_panel(GQ4_0, w, rb, n0, n1, K, panel);
             else fill_panel(GQ4_1, w, rb, n0, n1, K, panel);
             for (int64_t m0 = 0; m0 < M; m0 += PM) {
@@ -116,11 +118,13 @@ static int panel_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
                 const float *xm = x + m0 * K;
                 for (int64_t n = n0; n < n1; n += PN) {
                     const int nt = n1 - n < PN ? (int)(n1 - n) : PN;
-                    const float *pn = panel + (n - n0) * K;
                     float *res = out + m0 * N + n;
-                    if (mt == PM) PANEL_TILE(PM);
-                    else if (mt == 2) PANEL_TILE(2);
-                    else PANEL_TILE(1);
+                    if (mt == PM) MK_TILE(PM);
+#if PM > 3
+                    else if (mt == 3) MK_TILE(3);
+#endif
+                    else if (mt == 2) MK_TILE(2);
+                    else MK_TILE(1);
                 }
             }
         }

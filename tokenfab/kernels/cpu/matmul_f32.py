@@ -8,9 +8,10 @@ speculative verify and a 16-row batch. Speculative decoding's "identical output"
 verify rows to be the decode rows bit for bit (``tests/kernels/test_batch_invariance.py``), so
 the float32 linears take this kernel in batch-invariant mode (``layers.linear``).
 
-The kernel is the packed-GGUF product's tiling (``ggml_matmul.c``) with plain float32 weights:
-16 weight rows a thread at a time, 4 activation rows a tile (2 on AVX2), each row's dot products
-in the same order in every tile; a K that is not a multiple of 32 ends in one zero-padded block.
+The kernel is the packed-GGUF product's many-row kernel (``ggml_f32_panel.h``) with the float32
+weights as its panel: 4 x 6 register tiles (3 x 4 on AVX2), each output one accumulator summed in
+one order (``ggml_f32_vec.h``) whatever tile it falls in; a K that is not a multiple of the vector
+width ends in one zero-padded slice. (The portable C build: 32 scalar lanes per output.)
 """
 
 from __future__ import annotations
