@@ -281,3 +281,20 @@ def test_close_cancels_what_waits_and_joins_the_running_read():
     fetcher.close()
     assert not fetcher._thread.is_alive() and ran == ["first"] and second.cancelled.is_set()
     assert first.dropped == ["first"]  # it ended after close: its blocks were given up
+
+
+def test_load_writes_runs_of_staging_slots_in_the_order_of_the_digests():
+    conn, cache = _consumer()
+    io = BlockIO([(cache, 2)], SHAPE[2])
+    slots = conn.staging.take(6, pin_seconds=60)
+    conn.staging.release([s for s in slots if s not in (1, 2, 4)])
+    torch.manual_seed(1)
+    conn.staging.buffer[[4, 1, 2]] = torch.randint(0, 255, (3, io.block_nbytes), dtype=torch.uint8)
+    want = conn.staging.buffer[[4, 1, 2]].clone()
+    digests = [b"x" * 16, b"y" * 16, b"z" * 16]
+    conn.staging.hold(digests, [4, 1, 2])  # slot runs [4], [1, 2]
+    assert conn.lookup(digests) == 3 and conn.load(digests, [7, 0, 5]) == 3
+    assert torch.equal(io.read([7, 0, 5]), want)
+    assert cache[:, :, [1, 2, 3, 4, 6]].abs().sum() == 0
+    conn.staging.check_invariants()
+    conn.close()

@@ -138,10 +138,11 @@ class PDConnector(KVConnector):
             slots = self.staging.pop(digests)  # ours until freed: the copy runs outside the lock
         if slots:
             try:
-                first = slots[0]
-                contiguous = slots == list(range(first, first + len(slots)))  # the usual case: a view, no copy
-                rows = self.staging.buffer[first:first + len(slots)] if contiguous else self.staging.buffer[slots]
-                self.io.write(block_ids[:len(slots)], rows)
+                start = 0  # runs of consecutive slots, each written from a view of the buffer (no gathered copy)
+                for i in range(1, len(slots) + 1):
+                    if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                        self.io.write(block_ids[start:i], self.staging.buffer[slots[start]:slots[i - 1] + 1])
+                        start = i
             finally:
                 with self._lock:
                     self.staging.free(slots)

@@ -61,7 +61,7 @@ class StagingSlots:
             self._free.append(slot)
         if len(self._free) < n:
             return None
-        slots = [self._free.pop() for _ in range(n)]
+        slots = sorted(self._free.pop() for _ in range(n))  # ascending: usually one run (pd_connector.load)
         for s in slots:
             self._pins[s] = now + pin_seconds
         return slots
