@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "ggml_amx.c", "w4a16.c",
             "fp8_matmul.c", "threads.c", "llama_step.c")
 _HEADERS = ("common.h", "ggml_common.h", "ggml_f32_vec.h", "ggml_f32_gemv.h", "ggml_f32_panel.h", "ggml_q8_tile.h",
-            "paged_attention.h", "paged_attention_vec.h", "paged_attention_prefill.h")
+            "ggml_q8_dot.h", "paged_attention.h", "paged_attention_vec.h", "paged_attention_prefill.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
 # object is linked without it, so crtfastmath.o (which would flush denormals process-wide)
 # is not pulled into the library.
@@ -46,8 +46,10 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-ffast-math", "-
 # wide on AVX-512 targets too (GCC's tuning for Sapphire Rapids and Ice Lake does so already; generic
 # x86-64-v4 tuning would take 16 and call other libmvec variants), so the AVX-512 and AVX2 builds give
 # the same bits (tests/kernels/test_cpu_native_isa.py); the hot loops are intrinsics, 16 lanes wide.
+# -mtune=generic: -march=native also tunes for the CPU, and GCC's AMD Zen tuning splits FMA chains (a
+# multiply and an add where the AVX2 build contracts one FMA), so the same loop rounded differently there.
 if platform.machine().lower() in ("x86_64", "amd64"):
-    _COMPILE_FLAGS.append("-mprefer-vector-width=256")
+    _COMPILE_FLAGS += ["-mprefer-vector-width=256", "-mtune=generic"]
 _LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
 _lock = threading.Lock()
