@@ -298,3 +298,40 @@ def test_load_writes_runs_of_staging_slots_in_the_order_of_the_digests():
     assert cache[:, :, [1, 2, 3, 4, 6]].abs().sum() == 0
     conn.staging.check_invariants()
     conn.close()
+
+
+class _FailingTransport:
+    """Stands in for NixlTransport: every read fails; ``unsafe``: as when its handle could not be released."""
+
+    def __init__(self, unsafe: bool) -> None:
+        self.unsafe = unsafe
+
+    def read(self, *args, **kwargs) -> None:
+        from tokenfab.engine.kv_transfer.pd_nixl import TransferError
+
+        e = TransferError("the read from p timed out after 3s")
+        e.slots_unsafe = self.unsafe
+        raise e
+
+    def released_slots(self) -> list[int]:
+        return []
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_a_failed_read_still_in_flight_retires_its_staging_slots(unsafe):
+    """A read whose transfer may still write into the staging slots (timed out, handle not released) must not
+    hand those slots to the next read; a read that surely ended gives them back."""
+    conn, _ = _consumer(timeout_s=3)
+    real = conn.transport
+    conn.transport = _FailingTransport(unsafe)
+    params = {"remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_buffer": [0, conn.io.block_nbytes], "remote_block_ids": [0, 1],
+              "remote_block_hashes": [(bytes([i]) * 16).hex() for i in range(2)]}
+    free_before = conn.staging.num_free
+    assert conn.fetch(check_params(params), [bytes([i]) * 16 for i in range(2)]) == 0
+    assert conn.failed_fetches == 1
+    assert conn.staging.num_free == (free_before - 2 if unsafe else free_before)
+    assert conn.staging.num_retired == (2 if unsafe else 0)
+    conn.staging.check_invariants()
+    conn.transport = real
+    conn.close()

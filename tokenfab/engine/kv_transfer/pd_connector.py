@@ -109,8 +109,13 @@ class PDConnector(KVConnector):
             self.transport.read(params["remote_engine_id"], params["remote_host"], params["remote_port"], base,
                                 params["remote_block_ids"][:n], slots, self.cfg.transfer_timeout_s)
         except TransferError as e:
-            with self._lock:
-                self.staging.release(slots)
+            if e.slots_unsafe:  # a stale write may still land there: the slots stay out of use (logged)
+                with self._lock:
+                    self.staging.retire(slots)
+                log.warning("KV transfer: %d staging slots left out of use (a read still in flight)", len(slots))
+            else:
+                with self._lock:
+                    self.staging.release(slots)
             self.failed_fetches += 1
             log.warning("KV transfer failed (%s): prefilling locally", e)
             return 0

@@ -31,7 +31,10 @@ RELEASE = b"tokenfab-pd-release "  # notification prefix: the slots a consumer h
 
 
 class TransferError(RuntimeError):
-    """A read that did not complete (peer gone, timeout, refused descriptors): the caller falls back."""
+    """A read that did not complete (peer gone, timeout, refused descriptors): the caller falls back.
+    ``slots_unsafe``: the read may still be writing into the local slots (its handle could not be released)."""
+
+    slots_unsafe: bool = False
 
 
 class NixlTransport:
@@ -78,7 +81,7 @@ class NixlTransport:
         """Copy the peer's staged rows ``remote_slots`` into ours ``local_slots``; the peer hears which of its
         slots were read once the data is here. Raises TransferError when it does not complete in time."""
         deadline = time.monotonic() + timeout_s
-        handle = None
+        handle, state, error = None, None, None
         try:
             self._connect(peer, host, port, deadline)
             notif = RELEASE + ",".join(str(s) for s in remote_slots).encode()
@@ -94,12 +97,14 @@ class NixlTransport:
                 time.sleep(0.0002)
                 with self._lock:
                     state = self.agent.check_xfer_state(handle)
-        except TransferError:
+        except TransferError as e:
             self._forget(peer)
+            error = e
             raise
         except Exception as e:  # NIXL raises its own errors for refused descriptors, unknown agents...
             self._forget(peer)
-            raise TransferError(f"the read from {peer} failed: {e}") from e
+            error = TransferError(f"the read from {peer} failed: {e}")
+            raise error from e
         finally:
             if handle is not None:
                 try:
@@ -107,6 +112,9 @@ class NixlTransport:
                         self.agent.release_xfer_handle(handle)
                 except Exception:  # a transfer still in flight cannot be released: NIXL frees it at teardown
                     log.debug("could not release a NIXL transfer handle", exc_info=True)
+                    if error is not None and state not in ("DONE", "ERR"):
+                        # the peer may still write into local_slots: the caller must not hand them out again
+                        error.slots_unsafe = True
 
     def _forget(self, peer: str) -> None:
         """After a failure: the next read from this peer makes a fresh connection (it may have restarted)."""

@@ -31,6 +31,7 @@ class StagingSlots:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest first
         self._pins: dict[int, float] = {}  # slot -> monotonic deadline
         self._held: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recently used first
+        self._unsafe: list[int] = []  # slots a failed read may still write into: never handed out again
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     @property
@@ -107,11 +108,21 @@ class StagingSlots:
     def free(self, slots: Sequence[int]) -> None:
         self._free.extend(slots)
 
+    def retire(self, slots: Sequence[int]) -> None:
+        """Pinned slots of a read that failed while its transfer may still be writing: out of use for good."""
+        for s in slots:
+            self._pins.pop(s, None)
+        self._unsafe.extend(slots)
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._unsafe)
+
     def clear(self) -> None:
         """Forget every held digest (pins stay: reads in flight still own their slots)."""
         self._free.extend(self._held.values())
         self._held.clear()
 
     def check_invariants(self) -> None:
-        every = self._free + list(self._pins) + list(self._held.values())
+        every = self._free + list(self._pins) + list(self._held.values()) + self._unsafe
         assert sorted(every) == list(range(self.num_slots)), "a slot is lost or in two states"
