@@ -76,3 +76,21 @@ def save_tiny_dsv4_mtp(path: Path, layer_type: str = "sliding_attention", seed: 
                         tensors["mtp.0." + k.removeprefix("model.layers.0.")] = s.get_tensor(k)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "mtp.safetensors"))
     return block_model, extras
+
+
+def dsv4_engine(path, **kw):
+    """An engine on a tiny V4 checkpoint: small blocks and batches, one CPU thread (tiny matrices)."""
+    from tokenfab.engine.llm_engine import LLMEngine
+
+    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, cpu_threads=1)
+    args.update(kw)
+    return LLMEngine(model=str(path), **args)
+
+
+def one_torch_thread():
+    """For an autouse fixture (``yield from one_torch_thread()``): torch on one thread, restored after. Tiny
+    matrices: one thread is far faster on a shared machine (the engines run one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

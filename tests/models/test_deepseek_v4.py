@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.dsv4_tiny import DSV4_TINY, save_tiny_dsv4
+from tests.models.dsv4_tiny import DSV4_TINY, dsv4_engine, one_torch_thread, save_tiny_dsv4
 from tests.tiny_models import (
     assert_batch_matches_hf,
     greedy_tokens,
@@ -19,7 +19,6 @@ from tests.tiny_models import (
     run_batch,
     run_capturing_logits,
 )
-from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.layers.dsv4_attention import DeepseekV4Attention
 from tokenfab.models.deepseek_v4 import DeepseekV4MoE
 
@@ -27,19 +26,12 @@ PROMPTS = [list(range(30, 60)), [5, 17, 42], [7, 250, 3, 9, 77, 12, 5, 6, 1, 4, 
 WINDOW = DSV4_TINY["sliding_window"]
 
 
-def _engine(path, **kw) -> LLMEngine:
-    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, cpu_threads=1)
-    args.update(kw)
-    return LLMEngine(model=str(path), **args)
+_engine = dsv4_engine
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny matrices: one thread is far faster on a shared machine (the engines run one too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,8 @@ from tests.models.dsv4_quant import (
     quantize_mtp_shard,
     save_tiny_dsv4_quantized,
 )
-from tests.models.dsv4_tiny import DSV4_TINY
+from tests.models.dsv4_tiny import DSV4_TINY, dsv4_engine, one_torch_thread
 from tests.tiny_models import assert_batch_matches_hf, hf_logits, run_batch, run_capturing_logits
-from tokenfab.engine.llm_engine import LLMEngine
 from tokenfab.layers.linear import Linear
 from tokenfab.loader.errors import ModelLoadError
 from tokenfab.quant.fp4_experts import PerExpertFp4Experts
@@ -32,18 +31,12 @@ from tokenfab.quant.fp8_experts import FP8Experts
 PROMPTS = [list(range(30, 60)), [5, 17, 42], [7, 250, 3, 9, 77, 12, 5, 6, 1, 4, 100, 101, 102]]
 
 
-def _engine(path, **kw) -> LLMEngine:
-    args = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, cpu_threads=1)
-    args.update(kw)
-    return LLMEngine(model=str(path), **args)
+_engine = dsv4_engine
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")

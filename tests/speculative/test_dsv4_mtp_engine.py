@@ -9,9 +9,8 @@ transformers' streams, so the draft is the MTP layer's prediction and not noise)
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.models.dsv4_tiny import DSV4_TINY, save_tiny_dsv4, save_tiny_dsv4_mtp
+from tests.models.dsv4_tiny import DSV4_TINY, one_torch_thread, save_tiny_dsv4, save_tiny_dsv4_mtp
 from tests.speculative.spec_cases import outputs, plain_llm, record_drafts
 from tests.speculative.test_dsv4_mtp import mtp_reference, target_streams
 from tokenfab import LLM
@@ -26,10 +25,7 @@ KW = dict(block_size=4, num_kv_blocks=96, cpu_threads=1)
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_torch_thread()
 
 
 @pytest.fixture(scope="module")
