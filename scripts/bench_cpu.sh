@@ -17,13 +17,14 @@
 # The serve part needs the llama.cpp peer built once: scripts/llama_cpp_server.sh build (~6 min on
 # 2 cores; without it, it measures tokenfab alone and says so).
 #
-# OMP_WAIT_POLICY defaults to PASSIVE here, for every process of the run (ours, transformers,
-# llama.cpp alike): these 2 cores are shared (load averages of 10 and more), and OpenMP threads that
-# spin at barriers while their partner is descheduled made llama.cpp 80x slower (32 tokens: 50 s
-# spinning, 0.6 s passive) and our server 3x slower at concurrency 1. Export another value to
-# measure with it.
-set -euo pipefail
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# OMP_WAIT_POLICY: `throughput` and `serve` default it to PASSIVE for every process of the run (ours,
+# transformers, llama.cpp alike): on shared, loaded cores (load averages of 10 and more) OpenMP
+# threads that spin at barriers while their partner is descheduled made llama.cpp 80x slower (32
+# tokens: 50 s spinning, 0.6 s passive) and our server 3x slower at concurrency 1. `cpu` leaves it as
+# the caller has it (unset: each runtime's default, its best on a quiet machine): on a quiet 2-vCPU
+# AMD EPYC, PASSIVE cut llama-bench tg128 from 91.6 to 29.9 tok/s and ours from ~80 to 51.9, which
+# measures wake-ups, not kernels. Export a value to measure with it.
+passive_unless_set() { export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"; }
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPEATS="${REPEATS:-2}"
@@ -33,6 +34,7 @@ PORT="${PORT:-8123}"
 source scripts/serve_bench_lib.sh
 
 throughput() {
+    passive_unless_set
     for dtype in $DTYPES; do
         local name=cpu_throughput_bundled
         [ "$dtype" = float32 ] || name="${name}_${dtype/bfloat16/bf16}"
@@ -42,6 +44,7 @@ throughput() {
 }
 
 serve() {
+    passive_unless_set
     local peer=()
     serve_bg --dtype float32 || return 1
     trap 'kill "$SERVE_PID" 2>/dev/null || true' RETURN
