@@ -11,18 +11,18 @@
 /* the (qtype, tile rows) pairs as constants, so each inlined copy keeps its accumulators in registers */
 #define GEMV_CASE(QT)                                                                 \
     switch (mt) {                                                                     \
-    case 1: gemv_tile(QT, 1, wr, rb, rt, xm, K, res, N, pf, w_end); break;            \
+    case 1: gemv_tile(QT, 1, GR1, wr, rb, rt, xm, K, res, N, pf, w_end); break;       \
     GEMV_MT23(QT)                                                                     \
-    default: gemv_tile(QT, MT_MAX, wr, rb, rt, xm, K, res, N, pf, w_end); break;      \
+    default: gemv_tile(QT, MT_MAX, GR, wr, rb, rt, xm, K, res, N, pf, w_end); break;  \
     }
 #if MT_MAX > 2
 #define GEMV_MT23(QT)                                                                 \
-    case 2: gemv_tile(QT, 2, wr, rb, rt, xm, K, res, N, pf, w_end); break;            \
-    case 3: gemv_tile(QT, 3, wr, rb, rt, xm, K, res, N, pf, w_end); break;
+    case 2: gemv_tile(QT, 2, GR, wr, rb, rt, xm, K, res, N, pf, w_end); break;        \
+    case 3: gemv_tile(QT, 3, GR, wr, rb, rt, xm, K, res, N, pf, w_end); break;
 #else
 #define GEMV_MT23(QT)
 #endif
-#define GEMV_STEP GR
+#define GEMV_STEP(mt) ((mt) == 1 ? GR1 : GR)
 #else
 #define GEMV_CASE(QT)                                                                 \
     switch (mt) {                                                                     \
@@ -31,7 +31,7 @@
     case 3: gemv_row(QT, 3, wr, xm, K, res, N); break;                                \
     default: gemv_row(QT, 4, wr, xm, K, res, N); break;                               \
     }
-#define GEMV_STEP 1
+#define GEMV_STEP(mt) 1
 #endif
 
 static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
@@ -44,8 +44,9 @@ static void gemv_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
         for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
             const int mt = M - m0 < MT_MAX ? (int)(M - m0) : MT_MAX;
             const float *xm = x + m0 * K;
-            for (int64_t n = c * NC; n < n1; n += GEMV_STEP) {
-                const int rt = n1 - n < GEMV_STEP ? (int)(n1 - n) : GEMV_STEP;
+            const int step = GEMV_STEP(mt);
+            for (int64_t n = c * NC; n < n1; n += step) {
+                const int rt = n1 - n < step ? (int)(n1 - n) : step;
                 const uint8_t *wr = w + n * rb;
                 float *res = out + m0 * N + n;
 #if !(GG_AVX512 || GG_AVX2)
