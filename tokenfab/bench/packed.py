@@ -3,11 +3,16 @@ mode, and the int8-activation mode's drift from ``transformers`` float32.
 
     python -m tokenfab.bench.packed offline [--json F] [--markdown F]
     python -m tokenfab.bench.packed drift [--json F] [--markdown F]
+    python -m tokenfab.bench.packed batches [--batches 1,4,16,64] [--json F] [--markdown F]
 
 ``offline``: for each mode (gguf, gguf-q8act, none) a fresh engine decodes one ~190-token prompt
 alone, 64 tokens, greedy; TTFT is a 1-token run, TPOT = (time of 64 tokens - TTFT) / 63, the
 median of ``--repeats`` runs (scripts/bench_cpu_packed.sh runs it; the serving side is
 ``tokenfab bench serve --llama-cpp``).
+
+``batches``: for each mode, a fresh engine generates ``--output-len`` tokens (96 by default here)
+for B prompts of 32 random token ids at each batch size B, twice; the better run's output tokens/s
+is kept (issue 26: the default mode is never slower than another lossless mode at any batch size).
 
 ``drift``: transformers (float32, the same GGUF dequantized) generates 64 greedy tokens for each
 test prompt of tests/models/test_bundled_vs_transformers.py; each mode then scores that same
@@ -65,6 +70,32 @@ def offline(repeats: int, output_len: int) -> dict[str, Any]:
                      "load_average": load_average()})
         del llm
     return {**_header(), "benchmark": "offline single-stream decode", "rows": rows}
+
+
+def batches(sizes: list[int], output_len: int) -> dict[str, Any]:
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.bench.throughput import make_requests
+
+    rows = []
+    for mode in MODES:
+        llm = LLM(quantization=mode, enable_prefix_caching=False)
+        vocab = llm.engine.vocab_size
+        llm.generate(make_requests(4, 32, 32, vocab, 99), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        row: dict[str, Any] = {"quantization": mode}
+        for b in sizes:
+            prompts = make_requests(b, 32, 32, vocab, b)
+            best = 0.0
+            for _ in range(2):
+                t = time.perf_counter()
+                llm.generate(prompts, params)
+                best = max(best, b * output_len / (time.perf_counter() - t))
+            row[f"B={b} tok/s"] = best
+        row["load_average"] = load_average()
+        rows.append(row)
+        del llm
+    return {**_header(), "benchmark": f"offline output tok/s by batch size (32-token prompts, {output_len} out)",
+            "rows": rows}
 
 
 def _hf_greedy(prompts: list[list[int]], n: int) -> tuple[Any, list[list[int]]]:
@@ -145,13 +176,17 @@ def _markdown(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tokenfab.bench.packed", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["offline", "drift"])
+    p.add_argument("what", choices=["offline", "drift", "batches"])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=None, help="tokens per request (64; batches: 96)")
+    p.add_argument("--batches", default="1,4,16,64", help="batch sizes of `batches`")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     a = p.parse_args(argv)
-    res = offline(a.repeats, a.output_len) if a.what == "offline" else drift(a.output_len)
+    if a.what == "batches":
+        res = batches([int(b) for b in a.batches.split(",")], a.output_len or 96)
+    else:
+        res = offline(a.repeats, a.output_len or 64) if a.what == "offline" else drift(a.output_len or 64)
     md = _markdown(res)
     print(md)
     if a.json:
