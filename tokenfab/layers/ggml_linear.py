@@ -20,7 +20,7 @@ from torch import nn
 from tokenfab.distributed.parallel_state import tp_all_gather_last, tp_all_reduce
 from tokenfab.kernels.cpu import native_library
 from tokenfab.kernels.cpu.checks import check_status
-from tokenfab.kernels.cpu.crossover import apply_crossover
+from tokenfab.kernels.cpu.crossover import PANEL, Q8_TILES, apply_crossover
 from tokenfab.kernels.cpu.ggml_matmul import _QTYPE_ID, ggml_dequantize_rows, ggml_matmul
 from tokenfab.layers.embedding import vocab_parallel_lookup
 
@@ -33,12 +33,11 @@ _CHECKED_MATMUL = ggml_matmul  # tests may swap ggml_matmul for the reference: t
 def _native_fn(act: str):
     """The C entry point of an activation mode, or None (no native library). The f32 kernel's
     switch to its panel path is set here, once per process, from this machine's measurement
-    (``kernels/cpu/crossover.py``)."""
+    (``kernels/cpu/crossover.py``); so is the int8 kernel's switch to its many-row tiles."""
     lib = native_library()
     if lib is None:
         return None
-    if act == "f32":
-        apply_crossover()
+    apply_crossover(PANEL if act == "f32" else Q8_TILES)
     return lib.ggml_matmul_f32 if act == "f32" else lib.ggml_matmul_q8
 
 

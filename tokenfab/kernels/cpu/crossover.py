@@ -1,13 +1,20 @@
-"""Where the float32-activation GGML matmul switches from its row tiles to its panel kernel.
+"""Where the GGML matmuls switch from their few-row kernels to their many-row ones.
 
-``ggml_matmul.c`` has two kernels for W4A32/W8A32 products: row tiles that dequantize each weight
-block once per tile of a few activation rows (decode), and a panel kernel that dequantizes a thread's
-weight rows once and runs register tiles over them (``ggml_f32_panel.h``: prefill, large batches).
-They give the same bits, so the switch is a matter of speed alone, and the row count where the panel
-starts to win depends on the machine (vector width, cache sizes, load ports). It is measured once --
-both kernels on a gate/up-sized Q4_1 product at a ladder of row counts, best of several interleaved
-rounds -- and cached beside the library (``$TOKENFAB_CACHE_DIR/cpu_kernels``), keyed by the library
-build (sources, compiler, CPU). ``TOKENFAB_PANEL_MIN_ROWS`` overrides it.
+Two switches, each between two kernels that give the same bits, so where it sits is a matter of
+speed alone, and the row count where the many-row kernel starts to win depends on the machine
+(vector width, cache sizes, load ports):
+
+- float32 activations (``ggml_matmul.c``): row tiles that dequantize each weight block once per tile
+  of a few activation rows (decode), and a panel kernel that dequantizes a thread's weight rows once
+  and runs register tiles over them (``ggml_f32_panel.h``: prefill, large batches);
+- int8 activations (``ggml_q8.c``, AVX-512 + VNNI builds): row tiles that read the packed weights as
+  stored, and many-row tiles that lay 32 weight rows out once per call as ``vpdpbusd`` reads them
+  (``ggml_q8_tile.h``).
+
+Each is measured once -- both kernels on a gate/up-sized Q4_1 product at a ladder of row counts, best
+of several interleaved rounds -- and cached beside the library (``$TOKENFAB_CACHE_DIR/cpu_kernels``),
+keyed by the library build (sources, compiler, CPU). ``TOKENFAB_PANEL_MIN_ROWS`` and
+``TOKENFAB_Q8_TILE_MIN_ROWS`` override them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,15 +31,33 @@ import torch
 from tokenfab.kernels.cpu import cache_dir, native_library
 
 log = logging.getLogger(__name__)
-ENV = "TOKENFAB_PANEL_MIN_ROWS"
 CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16)
 NEVER = 1 << 30
 _SHAPE = (3072, 576)  # (N, K): a gate_up projection of the bundled model, in Q4_1
-_applied: dict | None = None
 
 
-def _cache_file(lib) -> Path:
-    return cache_dir() / f"panel_crossover_{Path(lib._name).stem}.json"
+@dataclass(frozen=True)
+class Switch:
+    """One few-rows/many-rows switch of the native library: its entry points and names."""
+
+    name: str  # result key and cache file prefix
+    env: str  # the override
+    product: str  # the C product (x, w, M, N, K, qtype, out)
+    getter: str  # the current row count (0: this build has no many-row kernel)
+    setter: str
+
+
+PANEL = Switch("panel_min_rows", "TOKENFAB_PANEL_MIN_ROWS", "ggml_matmul_f32", "ggml_panel_min_rows",
+               "ggml_set_panel_min_rows")
+Q8_TILES = Switch("q8_tile_min_rows", "TOKENFAB_Q8_TILE_MIN_ROWS", "ggml_matmul_q8", "ggml_q8_tile_min_rows",
+                  "ggml_q8_set_tile_min_rows")
+ENV = PANEL.env
+_applied: dict[str, dict] | None = None  # switch name -> what apply_crossover set (tests reset it to None)
+
+
+def _cache_file(lib, switch: Switch = PANEL) -> Path:
+    prefix = "panel_crossover" if switch is PANEL else f"{switch.name}_crossover"
+    return cache_dir() / f"{prefix}_{Path(lib._name).stem}.json"
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -43,9 +69,9 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def measure(lib, rounds: int = 5) -> tuple[int, dict[int, float]]:
-    """(the smallest candidate row count from which the panel kernel is faster at it and at every
-    larger candidate, else NEVER; {rows: row-tile time / panel time})."""
+def measure(lib, rounds: int = 5, switch: Switch = PANEL) -> tuple[int, dict[int, float]]:
+    """(the smallest candidate row count from which the many-row kernel is faster at it and at every
+    larger candidate, else NEVER; {rows: row-tile time / many-row kernel time})."""
     n, k = _SHAPE
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8, generator=gen)
@@ -53,22 +79,23 @@ def measure(lib, rounds: int = 5) -> tuple[int, dict[int, float]]:
         n, k // 32, 4)
     x = torch.randn(max(CANDIDATES), k, generator=gen)
     out = torch.empty(max(CANDIDATES), n)
-    previous = int(lib.ggml_panel_min_rows())
+    product, setter = getattr(lib, switch.product), getattr(lib, switch.setter)
+    previous = int(getattr(lib, switch.getter)())
     ratios: dict[int, float] = {}
     try:
         for m in CANDIDATES:
             def run(m: int = m) -> None:
-                lib.ggml_matmul_f32(x.data_ptr(), w.data_ptr(), m, n, k, 2, out.data_ptr())
+                product(x.data_ptr(), w.data_ptr(), m, n, k, 2, out.data_ptr())
 
-            tiles = panel = float("inf")
+            tiles = many = float("inf")
             for _ in range(rounds):  # interleaved: a burst of load on the machine hits both alike
-                lib.ggml_set_panel_min_rows(NEVER)
+                setter(NEVER)
                 tiles = min(tiles, _best_time(run, 3))
-                lib.ggml_set_panel_min_rows(1)
-                panel = min(panel, _best_time(run, 3))
-            ratios[m] = tiles / panel
+                setter(1)
+                many = min(many, _best_time(run, 3))
+            ratios[m] = tiles / many
     finally:
-        lib.ggml_set_panel_min_rows(previous)
+        setter(previous)
     crossover = NEVER
     for m in reversed(CANDIDATES):
         if ratios[m] <= 1.0:
@@ -77,46 +104,48 @@ def measure(lib, rounds: int = 5) -> tuple[int, dict[int, float]]:
     return crossover, ratios
 
 
-def apply_crossover() -> dict:
-    """Set the library's crossover once per process: ``TOKENFAB_PANEL_MIN_ROWS``, else the cached
-    measurement, else measure now and cache it. Returns {"panel_min_rows", "source"} (also what
-    ``ggml_kernel_info`` reports); {"panel_min_rows": 0, ...} for a build without the panel kernel."""
+def apply_crossover(switch: Switch = PANEL) -> dict:
+    """Set one switch of the library once per process: its environment override, else the cached
+    measurement, else measure now and cache it. Returns {name, "source"} (also what
+    ``ggml_kernel_info`` reports); {name: 0, ...} for a build without the many-row kernel."""
     global _applied
+    key = switch.name
     lib = native_library()
     if lib is None:
-        return {"panel_min_rows": 0, "source": "no native library"}
-    if _applied is not None and _applied.get("library") == lib._name:
-        return _applied
-    if int(lib.ggml_panel_min_rows()) == 0:
-        _applied = {"panel_min_rows": 0, "source": "this build has no panel kernel", "library": lib._name}
-        return _applied
-    raw = os.environ.get(ENV)
+        return {key: 0, "source": "no native library"}
+    state = _applied or {}
+    done = state.get(key)
+    if done is not None and done.get("library") == lib._name:
+        return done
+    if int(getattr(lib, switch.getter)()) == 0:
+        _applied = {**state, key: {key: 0, "source": "this build has no many-row kernel", "library": lib._name}}
+        return _applied[key]
+    raw = os.environ.get(switch.env)
     if raw:
         try:
             rows = int(raw)
         except ValueError as e:
-            raise ValueError(f"{ENV} must be a positive integer, got {raw!r}") from e
+            raise ValueError(f"{switch.env} must be a positive integer, got {raw!r}") from e
         if rows < 1:
-            raise ValueError(f"{ENV} must be a positive integer, got {raw!r}")
-        result = {"panel_min_rows": rows, "source": ENV}
+            raise ValueError(f"{switch.env} must be a positive integer, got {raw!r}")
+        result = {key: rows, "source": switch.env}
     else:
-        path = _cache_file(lib)
-        result = None
+        path = _cache_file(lib, switch)
         try:
             cached = json.loads(path.read_text())
-            result = {"panel_min_rows": int(cached["panel_min_rows"]), "source": f"cached measurement ({path})"}
+            result = {key: int(cached[key]), "source": f"cached measurement ({path})"}
         except (OSError, ValueError, KeyError, TypeError):
-            rows, ratios = measure(lib)
-            result = {"panel_min_rows": rows, "source": "measured now",
+            rows, ratios = measure(lib, switch=switch)
+            result = {key: rows, "source": "measured now",
                       "speedup_by_rows": {str(m): round(r, 3) for m, r in ratios.items()}}
-            log.info("GGML f32 panel kernel from %d activation rows (row tiles / panel: %s)", rows, ratios)
+            log.info("GGML %s: %d activation rows (row tiles / many-row kernel: %s)", key, rows, ratios)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"panel_min_rows": rows, "speedup_by_rows": result["speedup_by_rows"]}))
+                tmp.write_text(json.dumps({key: rows, "speedup_by_rows": result["speedup_by_rows"]}))
                 os.replace(tmp, path)
             except OSError as e:
-                log.warning("could not cache the panel crossover in %s: %s", path, e)
-    lib.ggml_set_panel_min_rows(int(result["panel_min_rows"]))
-    _applied = {**result, "library": lib._name}
-    return _applied
+                log.warning("could not cache the %s crossover in %s: %s", key, path, e)
+    getattr(lib, switch.setter)(int(result[key]))
+    _applied = {**state, key: {**result, "library": lib._name}}
+    return _applied[key]
