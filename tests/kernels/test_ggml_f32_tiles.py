@@ -64,3 +64,29 @@ def test_rowinv_float32_tails(n, k):
         assert torch.equal(matmul_f32_rowinv(x[i : i + 1], w), full[i : i + 1]), i
     for m in (2, 3, 5, 7):
         assert torch.equal(matmul_f32_rowinv(x[10 - m :], w), full[10 - m :]), m
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_panel_passes_over_many_rows_keep_the_bits(qtype, k, restore_setting):
+    """Past a pass of activation rows (their x rows sized to stay in L2: 112 rows at K=576, 64 at
+    K=1536 on AVX-512), the panel runs the rows in several passes: every row of a 3-pass product
+    equals that row alone through the GEMV tiles, whatever tile a pass boundary cuts."""
+    packed, deq = _weights(qtype, 29, k)
+    m = {576: 231, 1536: 135}[k]  # 2 full passes and a ragged third (AVX2: 111 / 63-row passes)
+    x = _x(m, k, seed=k)
+    full = _kernel(x, packed, qtype, k, 1)
+    assert_close(full, _oracle(x, deq, "f32"))
+    for i in (0, 62, 63, 64, 65, 110, 111, 112, 113, m - 1):
+        if i < m:
+            assert torch.equal(_kernel(x[i : i + 1], packed, qtype, k, crossover.NEVER), full[i : i + 1]), i
+    assert torch.equal(_kernel(x[1:], packed, qtype, k, 1), full[1:])  # the boundaries shifted by a row
+
+
+def test_rowinv_float32_over_several_passes():
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(300, 600, generator=gen), torch.randn(13, 600, generator=gen)
+    full = matmul_f32_rowinv(x, w)
+    assert_close(full, (x.double() @ w.double().T).float())
+    for i in (0, 108, 109, 111, 112, 299):
+        assert torch.equal(matmul_f32_rowinv(x[i : i + 1], w), full[i : i + 1]), i

@@ -46,10 +46,11 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     env = {k: v for k, v in os.environ.items()
-           if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD")
+           if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD",
+                    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
            or k.startswith(("MALLOC_", "TOKENFAB_"))}
     if env:
-        info["env"] = env  # what changes threads, the allocator or our kernels
+        info["env"] = env  # what changes threads, the allocator, our kernels or torch's ISA
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

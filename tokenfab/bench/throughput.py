@@ -274,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
            f"{mach['cpus']} CPUs), commit {commit}; {args.num_requests} requests, prompts "
            f"{args.min_prompt_len}-{args.max_prompt_len} tokens, {args.output_len} output tokens each; {where}; "
            f"warm-up {args.warmup_requests} fresh prompts x {args.warmup_tokens} tokens each side", ""]
+    if mach.get("env"):
+        out[-1:-1] = ["", "Environment (every engine of the run inherits it): "
+                      + ", ".join(f"{k}={v}" for k, v in sorted(mach["env"].items()))]
     rows = [[i + 1, rnd["allocator"], r["engine"], r["settings"].get("torch_threads"), r["output_tokens"],
              r["seconds"], r["output_tok_s"], r["total_tok_s"], r.get("load_1m")]
             for i, rnd in enumerate(rounds) for r in rnd["results"]]

@@ -93,9 +93,23 @@ AI void fill_panel(int qt, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1,
 
 #define MK_TILE(MT) mk_tile(MT, nt, pw + (n - n0) * K, K, xm, K, K, res, N)
 
+/* Activation rows a pass of the panel kernel takes (a multiple of PM): their MB x K floats stay in L2
+ * (PANEL_X_BYTES of it) while every weight chunk of the thread passes over them, where one pass over
+ * all M rows of a prefill chunk (2048 x 576 floats: 4.7 MB) re-read x from L3 for every chunk of PNC
+ * weight rows. A chunk is dequantized once a pass: at least 64 rows keep that a few percent. */
+#ifndef PANEL_X_BYTES
+#define PANEL_X_BYTES (256 * 1024)
+#endif
+static int64_t panel_pass_rows(int64_t K) {
+    int64_t mb = PANEL_X_BYTES / (4 * K);
+    mb = mb < 64 ? 64 : mb;
+    return mb / PM * PM;
+}
+
 /* x [M, K] @ dequant(w).T, or x @ w.T for float32 weights (qt GF32, K any size); TF_ENOMEM without a panel */
 static int panel_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t rb = qt == GF32 ? K * 4 : K / 32 * BLOCK_BYTES[qt], chunks = (N + PNC - 1) / PNC;
+    const int64_t mb = panel_pass_rows(K);
     int failed = 0;
 #pragma omp parallel num_threads(tf_nthreads()) if (N * K * M >= PAR_MIN_WORK)
     {
@@ -104,27 +118,30 @@ static int panel_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int
 #pragma omp atomic write
             failed = 1;
         }
+        for (int64_t p0 = 0; p0 < M; p0 += mb) {
+            const int64_t p1 = p0 + mb < M ? p0 + mb : M;
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            if (qt != GF32 && !panel) continue;
-            const int64_t n0 = c * PNC, n1 = n0 + PNC < N ? n0 + PNC : N;
-            const float *pw = panel;
-            if (qt == GF32) pw = (const float *)(w + n0 * rb);
-            else if (qt == GQ8_0) fill_panel(GQ8_0, w, rb, n0, n1, K, panel);
-            else if (qt == GQ4_0) fill_panel(GQ4_0, w, rb, n0, n1, K, panel);
-            else fill_panel(GQ4_1, w, rb, n0, n1, K, panel);
-            for (int64_t m0 = 0; m0 < M; m0 += PM) {
-                const int mt = M - m0 < PM ? (int)(M - m0) : PM;
-                const float *xm = x + m0 * K;
-                for (int64_t n = n0; n < n1; n += PN) {
-                    const int nt = n1 - n < PN ? (int)(n1 - n) : PN;
-                    float *res = out + m0 * N + n;
-                    if (mt == PM) MK_TILE(PM);
+            for (int64_t c = 0; c < chunks; c++) {
+                if (qt != GF32 && !panel) continue;
+                const int64_t n0 = c * PNC, n1 = n0 + PNC < N ? n0 + PNC : N;
+                const float *pw = panel;
+                if (qt == GF32) pw = (const float *)(w + n0 * rb);
+                else if (qt == GQ8_0) fill_panel(GQ8_0, w, rb, n0, n1, K, panel);
+                else if (qt == GQ4_0) fill_panel(GQ4_0, w, rb, n0, n1, K, panel);
+                else fill_panel(GQ4_1, w, rb, n0, n1, K, panel);
+                for (int64_t m0 = p0; m0 < p1; m0 += PM) {
+                    const int mt = p1 - m0 < PM ? (int)(p1 - m0) : PM;
+                    const float *xm = x + m0 * K;
+                    for (int64_t n = n0; n < n1; n += PN) {
+                        const int nt = n1 - n < PN ? (int)(n1 - n) : PN;
+                        float *res = out + m0 * N + n;
+                        if (mt == PM) MK_TILE(PM);
 #if PM > 3
-                    else if (mt == 3) MK_TILE(3);
+                        else if (mt == 3) MK_TILE(3);
 #endif
-                    else if (mt == 2) MK_TILE(2);
-                    else MK_TILE(1);
+                        else if (mt == 2) MK_TILE(2);
+                        else MK_TILE(1);
+                    }
                 }
             }
         }
