@@ -4,7 +4,8 @@
  * A thread dequantizes PNC weight rows at a time into a float panel (deq_block: the values the GEMV
  * tiles compute in registers), then register tiles of PM activation rows x PN weight rows run over the
  * panel: per VW-wide slice of K, PM + PN vector loads feed PM * PN FMAs (AVX-512: 4 x 6, 10 loads per
- * 24 FMAs; AVX2: 3 x 4). Float32 weights (matmul_f32_rowinv) are their own panel.
+ * 24 FMAs; AVX2: 3 x 4). The activation rows run in passes that fit L2 (panel_pass_rows), each weight
+ * chunk dequantized once a pass. Float32 weights (matmul_f32_rowinv) are their own panel.
  *
  * Same bits as the GEMV tiles: each output is one accumulator summed in THE ORDER (ggml_f32_vec.h),
  * so a row's result does not depend on the kernel its batch size picked (batch invariance, and the C
