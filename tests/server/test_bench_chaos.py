@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.server.router_harness import _free_port, router, router_binary, workers
 from tokenfab.bench.chaos import ROUTER_ARGS, _blame
@@ -67,6 +68,8 @@ def test_router_flags_turn_a_refused_upstream_into_a_503():
     assert [r.status_code for r in answers] == [503] * 4, [(r.status_code, r.text[:100]) for r in answers]
 
 
+@pytest.mark.slow  # ~80 s quiet (two servers, a router, two kills); fast twins: the classification and
+# router-flag tests above. Moved out of the default tier when it passed 15 minutes (1094 s at 2e173aa).
 def test_chaos_run_loses_nothing(tmp_path):
     assert router_binary("vllm-router") is not None, "vllm-router is a dev dependency: pip install vllm-router"
     out = tmp_path / "chaos.json"
