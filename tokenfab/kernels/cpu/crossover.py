@@ -45,19 +45,19 @@ class Switch:
     product: str  # the C product (x, w, M, N, K, qtype, out)
     getter: str  # the current row count (0: this build has no many-row kernel)
     setter: str
+    cache_prefix: str  # the cached measurement's file name, before the library's stem
 
 
 PANEL = Switch("panel_min_rows", "TOKENFAB_PANEL_MIN_ROWS", "ggml_matmul_f32", "ggml_panel_min_rows",
-               "ggml_set_panel_min_rows")
+               "ggml_set_panel_min_rows", "panel_crossover")
 Q8_TILES = Switch("q8_tile_min_rows", "TOKENFAB_Q8_TILE_MIN_ROWS", "ggml_matmul_q8", "ggml_q8_tile_min_rows",
-                  "ggml_q8_set_tile_min_rows")
+                  "ggml_q8_set_tile_min_rows", "q8_tile_min_rows_crossover")
 ENV = PANEL.env
 _applied: dict[str, dict] | None = None  # switch name -> what apply_crossover set (tests reset it to None)
 
 
 def _cache_file(lib, switch: Switch = PANEL) -> Path:
-    prefix = "panel_crossover" if switch is PANEL else f"{switch.name}_crossover"
-    return cache_dir() / f"{prefix}_{Path(lib._name).stem}.json"
+    return cache_dir() / f"{switch.cache_prefix}_{Path(lib._name).stem}.json"
 
 
 def _best_time(fn, repeats: int) -> float:
