@@ -59,6 +59,15 @@ build_tools() {
         rm -rf "$src" && mkdir -p "$src"
         tar -xzf "$sdist" -C "$src" --strip-components=3 "llama_cpp_python-$VERSION/vendor/llama.cpp"
     fi
+    # One patch, to logging only: llama-batched-bench prints its table through llama.cpp's log, whose
+    # writer thread is never joined (the logger is leaked on purpose, llama.cpp issue 22142), so a
+    # run can exit 0 with the table unwritten. Flushing the log before main returns keeps it.
+    local bb="$src/tools/batched-bench/batched-bench.cpp"
+    if ! grep -q "common_log_flush" "$bb"; then
+        sed -i 's|^\(\s*\)llama_perf_context_print(ctx);|&\n\1common_log_flush(common_log_main());|' "$bb"
+        grep -q "common_log_flush" "$bb" || { echo "cannot patch $bb (log flush at exit)" >&2; exit 1; }
+    fi
+    echo "tools/batched-bench/batched-bench.cpp: common_log_flush before exit (llama.cpp issue 22142)" >"$tools_abs/patches.txt"
     args="$(cmake_args) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON"
     echo "building llama.cpp tools (llama-cpp-python==$VERSION vendor/llama.cpp) with: $args"
     # shellcheck disable=SC2086
@@ -89,7 +98,7 @@ print(json.dumps({
     "name": "llama.cpp tools (llama-server, llama-bench, llama-batched-bench)",
     "source": f"llama-cpp-python=={read('llama_cpp_python_version.txt')} sdist, vendor/llama.cpp",
     "version": " / ".join((out.stdout + out.stderr).strip().splitlines()[-2:]),
-    "cmake_args": read("cmake_args.txt"), "bin": str(tools / "bin"),
+    "cmake_args": read("cmake_args.txt"), "patches": read("patches.txt"), "bin": str(tools / "bin"),
     "built": sorted(p.name for p in (tools / "bin").iterdir()),
 }))
 PY

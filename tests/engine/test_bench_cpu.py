@@ -115,3 +115,20 @@ def test_parse_ignores_logs_and_rules():
             "|  8 |  4 |  2 |  55.5 |\nllama_perf\n")
     assert llama_cpp_tools.parse_batched_bench(text) == [{"PP": 8.0, "TG": 4.0, "B": 2.0, "S_TG t/s": 55.5}]
     assert llama_cpp_tools.parse_llama_bench_json("no json here") == {}
+
+
+def test_batched_bench_run_that_lost_its_table_is_repeated(tmp_path, monkeypatch):
+    """A stand-in tool that exits 0 with no table on its first run (as llama.cpp's unjoined log
+    writer can) and prints it, to stderr, on the second: the rows come from the second run."""
+    table = (DATA / "batched_bench.txt").read_text()
+    (tmp_path / "table.txt").write_text(table)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "llama-batched-bench"
+    tool.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/ran ]; then cat {tmp_path}/table.txt >&2; "
+                    f"else touch {tmp_path}/ran; echo 'build: x' >&2; fi\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("LLAMA_CPP_TOOLS", str(tmp_path))
+    out = llama_cpp_tools.run_batched_bench("m.gguf", 2, [1, 4, 16, 48], 32, 128)
+    assert out["runs"] == 2 and [int(r["B"]) for r in out["rows"]] == [1, 4, 16, 48]
+    assert "n_threads = 2" in out["settings_line"]

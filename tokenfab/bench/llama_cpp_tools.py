@@ -93,11 +93,13 @@ def batched_bench_header(text: str) -> str | None:
     return next((ln.strip() for ln in text.splitlines() if ": n_kv_max = " in ln), None)
 
 
-def _run(cmd: list[str], timeout: float) -> str:
+def _run(cmd: list[str], timeout: float, with_stderr: bool = False) -> str:
+    """The tool's stdout (and then its stderr with ``with_stderr``: llama.cpp's log, where builds
+    that route ``LOG`` there print llama-batched-bench's table)."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} exited {out.returncode}: {out.stderr.strip()[-800:]}")
-    return out.stdout
+    return out.stdout + ("\n" + out.stderr if with_stderr else "")
 
 
 def run_llama_bench(model: str | Path, threads: int, prompt_len: int = 512, gen_len: int = 128,
@@ -110,13 +112,19 @@ def run_llama_bench(model: str | Path, threads: int, prompt_len: int = 512, gen_
 
 
 def run_batched_bench(model: str | Path, threads: int, batches: list[int], prompt_len: int, gen_len: int,
-                      timeout: float = 3600) -> dict[str, Any]:
+                      timeout: float = 3600, attempts: int = 5) -> dict[str, Any]:
     """B sequences of ``prompt_len`` prompt tokens decoding ``gen_len`` tokens each, for each B of
     ``batches``; the KV cache holds them all (``-c = max(B) x (PP + TG)``), prompts not shared."""
     ctx = max(batches) * (prompt_len + gen_len)
     cmd = [str(tools_dir() / "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-tb", str(threads),
            "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(gen_len),
            "-npl", ",".join(map(str, batches))]
-    text = _run(cmd, timeout)
-    return {"command": " ".join(cmd), "settings_line": batched_bench_header(text),
-            "rows": parse_batched_bench(text), "raw": text}
+    # llama.cpp's log is written by a worker thread that the tool does not join before it exits: a
+    # short run can exit 0 with the table's last lines (or all of them) never written. Such a run is
+    # repeated (up to ``attempts`` times), and the report says how many runs it took.
+    runs, rows, text = 0, [], ""
+    while runs < attempts and sorted(int(r["B"]) for r in rows if "B" in r) != sorted(batches):
+        text = _run(cmd, timeout, with_stderr=True)
+        rows, runs = parse_batched_bench(text), runs + 1
+    return {"command": " ".join(cmd), "settings_line": batched_bench_header(text), "rows": rows, "raw": text,
+            "runs": runs}
