@@ -63,11 +63,30 @@ class GGMLLinear(nn.Module):
         # the C entry point, chosen once at load (None without the native library:
         # TOKENFAB_CPU_NATIVE=0 or no compiler -> the checked wrapper and its reference)
         self._fn = _native_fn(act)
+        self._lib = native_library() if self._fn is not None else None
         if self.in_features % 32 or qweight.shape[1] != self.in_features // 32 * _BLOCK_BYTES[qtype]:
             raise ValueError(f"a {qtype} weight of K={in_features} has {self.in_features // 32 * _BLOCK_BYTES[qtype]} "
                              f"bytes a row, got {qweight.shape[1]}")
         # a buffer, not a Parameter: the packed loader fills it (load_weights checks Parameters)
         self.register_buffer("bias", bias, persistent=False)
+        # int8 activations: a second copy of the weight in the decode kernel's row16 layout (built
+        # on first use from the qweight it was made of; kernels/cpu/ggml_q8_decode.c)
+        self.row16: torch.Tensor | None = None
+        self._row16_of: torch.Tensor | None = None
+
+    def row16_weight(self) -> torch.Tensor | None:
+        """The weight in the row16 layout of the int8 decode kernel, or None (float32 activations,
+        no native library, or a build without the kernel: AVX-512 VNNI only)."""
+        lib = native_library() if self.act == "q8" else None
+        if lib is None or not lib.ggml_q8_row16_built() or self.qweight.is_cuda:
+            return None
+        if self._row16_of is not self.qweight:
+            w = self.qweight.contiguous()
+            n, k, qid = self.out_features, self.in_features, self._qid
+            buf = torch.empty(lib.ggml_q8_row16_bytes(n, k, qid), dtype=torch.uint8)
+            lib.ggml_q8_row16_pack(w.data_ptr(), n, k, qid, buf.data_ptr())
+            self.row16, self._row16_of = buf, self.qweight
+        return self.row16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -81,8 +100,14 @@ class GGMLLinear(nn.Module):
             # the C kernel straight away: the weight's shape and type were checked once, here
             # (the checked wrapper costs ~10-20 us a call, ~2 ms a token over 121 products)
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            w = self.qweight
+            if self.act == "q8" and x2.shape[0] < self._lib.ggml_q8_tile_min_rows():
+                # below the many-row tiles' switch: the row16 copy (the same bits, llama_step.c's rule)
+                r16 = self.row16 if self._row16_of is w else self.row16_weight()
+                if r16 is not None:
+                    fn, w = self._lib.ggml_matmul_q8_row16, r16
             if x2.shape[0]:
-                check_status(fn(x2.data_ptr(), self.qweight.data_ptr(), x2.shape[0], self.out_features,
+                check_status(fn(x2.data_ptr(), w.data_ptr(), x2.shape[0], self.out_features,
                                 self.in_features, self._qid, out.data_ptr()), "ggml_matmul")
         if self.bias is not None:
             out += self.bias

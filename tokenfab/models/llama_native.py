@@ -44,6 +44,9 @@ def _linear_row(prefix: str, lin: Any, k: int) -> dict[str, int] | str:
         return f"{prefix} takes {lin.in_features} features, the driver feeds it {k}"
     row = {f"{prefix}.weight": lin.qweight.data_ptr(), f"{prefix}.qtype": lin._qid,
            f"{prefix}.act_q8": int(lin.act == "q8"), f"{prefix}.rows": lin.out_features}
+    row16 = lin.row16_weight()
+    if row16 is not None:
+        row[f"{prefix}.row16"] = row16.data_ptr()
     b = lin.bias
     if b is not None:
         if b.dtype != torch.float32 or not b.is_contiguous() or b.shape != (lin.out_features,):
@@ -64,8 +67,8 @@ class NativeLlamaStep:
         self.model = model
         #: every tensor the tables point to (and the layers' other tensors): the tables are current
         #: while the model holds these very objects
+        self.why_not = self._build(model)  # first: it builds the layers' row16 copies the tables point to
         self.tensors = list(self._tensors_of(model))
-        self.why_not = self._build(model)
 
     def _build(self, model: nn.Module) -> str | None:
         cfg_model = model.model
@@ -171,6 +174,7 @@ class NativeLlamaStep:
             for lin in (a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
                 watch(lin, "qweight")
                 watch(lin, "bias")
+                watch(lin, "row16")
         return out
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

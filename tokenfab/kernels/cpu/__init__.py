@@ -35,7 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.c", "elementwise.c", "ggml_matmul.c", "ggml_q8.c", "ggml_amx.c", "w4a16.c",
-            "fp8_matmul.c", "threads.c", "llama_step.c")
+            "fp8_matmul.c", "threads.c", "llama_step.c", "ggml_q8_decode.c")
 _HEADERS = ("common.h", "ggml_common.h", "ggml_f32_vec.h", "ggml_f32_gemv.h", "ggml_f32_panel.h", "ggml_q8_tile.h",
             "ggml_q8_dot.h", "paged_attention.h", "paged_attention_vec.h", "paged_attention_prefill.h")
 # -ffast-math lets gcc vectorize expf (glibc's libmvec) and reorder the dot-product sums; the
@@ -171,17 +171,22 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ggml_panel_min_rows": [],
         "ggml_q8_set_tile_min_rows": [i32],
         "ggml_q8_tile_min_rows": [],
+        "ggml_q8_row16_bytes": [i64, i64, i32],
+        "ggml_q8_row16_pack": [p, i64, i64, i32, p],
+        "ggml_q8_row16_built": [],
+        "ggml_matmul_q8_row16": [p, p, i64, i64, i64, i32, p],
     }
     returns_status = {"paged_attention_f32", "paged_attention_bf16", "rms_norm", "silu_and_mul", "rotary_qk",
                       "ggml_matmul_f32", "ggml_matmul_q8", "matmul_f32_rowinv", "ggml_isa", "ggml_amx_probe",
                       "tf_cpu_isa", "ggml_amx_built", "ggml_amx_enable", "ggml_matmul_q8_amx",
                       "w4a16_matmul", "w4a16_dequant", "fp8_matmul_f32", "fp8_dequant_rows",
                       "tf_get_num_threads", "tf_parallel_width", "llama_step_f32",
-                      "ggml_panel_min_rows", "ggml_q8_tile_min_rows"}
+                      "ggml_panel_min_rows", "ggml_q8_tile_min_rows", "ggml_q8_row16_built", "ggml_matmul_q8_row16"}
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in returns_status else None  # common.h: TF_OK / TF_ENOMEM
         fn.argtypes = args
+    lib.ggml_q8_row16_bytes.restype = ctypes.c_int64
 
 
 def native_library() -> ctypes.CDLL | None:

@@ -7,8 +7,9 @@ speed alone, and the row count where the many-row kernel starts to win depends o
 - float32 activations (``ggml_matmul.c``): row tiles that dequantize each weight block once per tile
   of a few activation rows (decode), and a panel kernel that dequantizes a thread's weight rows once
   and runs register tiles over them (``ggml_f32_panel.h``: prefill, large batches);
-- int8 activations (``ggml_q8.c``, AVX-512 + VNNI builds): row tiles that read the packed weights as
-  stored, and many-row tiles that lay 32 weight rows out once per call as ``vpdpbusd`` reads them
+- int8 activations (``ggml_q8.c``, AVX-512 + VNNI builds): the decode kernel over the layers' row16
+  copy (``ggml_q8_decode.c``; row tiles over the packed weights as stored in a build without it),
+  and many-row tiles that lay 32 weight rows out once per call as ``vpdpbusd`` reads them
   (``ggml_q8_tile.h``).
 
 Each is measured once -- both kernels on a gate/up-sized Q4_1 product at a ladder of row counts, best
@@ -31,7 +32,7 @@ import torch
 from tokenfab.kernels.cpu import cache_dir, native_library
 
 log = logging.getLogger(__name__)
-CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16)
+CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 NEVER = 1 << 30
 _SHAPE = (3072, 576)  # (N, K): a gate_up projection of the bundled model, in Q4_1
 
@@ -46,12 +47,15 @@ class Switch:
     getter: str  # the current row count (0: this build has no many-row kernel)
     setter: str
     cache_prefix: str  # the cached measurement's file name, before the library's stem
+    # int8: below the switch the layers run the row16 decode kernel where the build has it
+    # (ggml_q8_decode.c), so that is the few-row side measured
+    few_rows_row16: bool = False
 
 
 PANEL = Switch("panel_min_rows", "TOKENFAB_PANEL_MIN_ROWS", "ggml_matmul_f32", "ggml_panel_min_rows",
                "ggml_set_panel_min_rows", "panel_crossover")
 Q8_TILES = Switch("q8_tile_min_rows", "TOKENFAB_Q8_TILE_MIN_ROWS", "ggml_matmul_q8", "ggml_q8_tile_min_rows",
-                  "ggml_q8_set_tile_min_rows", "q8_tile_min_rows_crossover")
+                  "ggml_q8_set_tile_min_rows", "q8_tile_min_rows_crossover", few_rows_row16=True)
 ENV = PANEL.env
 _applied: dict[str, dict] | None = None  # switch name -> what apply_crossover set (tests reset it to None)
 
@@ -82,15 +86,23 @@ def measure(lib, rounds: int = 5, switch: Switch = PANEL) -> tuple[int, dict[int
     product, setter = getattr(lib, switch.product), getattr(lib, switch.setter)
     previous = int(getattr(lib, switch.getter)())
     ratios: dict[int, float] = {}
+    few_product, few_w = product, w
+    if switch.few_rows_row16 and lib.ggml_q8_row16_built():
+        few_product = lib.ggml_matmul_q8_row16
+        few_w = torch.empty(lib.ggml_q8_row16_bytes(n, k, 2), dtype=torch.uint8)
+        lib.ggml_q8_row16_pack(w.data_ptr(), n, k, 2, few_w.data_ptr())
     try:
         for m in CANDIDATES:
             def run(m: int = m) -> None:
                 product(x.data_ptr(), w.data_ptr(), m, n, k, 2, out.data_ptr())
 
+            def run_few(m: int = m) -> None:
+                few_product(x.data_ptr(), few_w.data_ptr(), m, n, k, 2, out.data_ptr())
+
             tiles = many = float("inf")
             for _ in range(rounds):  # interleaved: a burst of load on the machine hits both alike
                 setter(NEVER)
-                tiles = min(tiles, _best_time(run, 3))
+                tiles = min(tiles, _best_time(run_few, 3))
                 setter(1)
                 many = min(many, _best_time(run, 3))
             ratios[m] = tiles / many

@@ -12,7 +12,7 @@
  * The model is described by two int64 tables that the Python side fills once (kernels/cpu/llama_step.py):
  *   cfg[CFG_N]: sizes, the embedding, the final norm, the rotary layout, the cache's block size;
  *   layers[n_layers][LY_N]: per layer the two norm weights, the KV-cache slices, the rotary cache,
- *     the sliding window (0: none), Qwen3's q/k norm weights (cfg says whether) and four linear layers (qkv, o, gate_up, down), each as {packed weight, GGML type, activation mode, bias, rows}.
+ *     the sliding window (0: none), Qwen3's q/k norm weights (cfg says whether) and four linear layers (qkv, o, gate_up, down), each as {packed weight, GGML type, activation mode, bias, rows, row16 copy}.
  * Pointers travel as int64. Floats (eps, scale) are separate arguments.
  */
 #include <stdint.h>
@@ -36,6 +36,8 @@ int paged_attention_f32(const void *q, const void *k, const void *v, const int32
                         float softcap, const float *sinks);
 int ggml_matmul_f32(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out);
 int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out);
+int ggml_matmul_q8_row16(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out);
+int ggml_q8_tile_min_rows(void);
 void ggml_dequant_rows(const uint8_t *w, int64_t K, int qt, const int64_t *rows, int64_t R, float *out);
 
 /* cfg[] */
@@ -43,8 +45,9 @@ enum {
     CFG_LAYERS, CFG_HIDDEN, CFG_HEADS, CFG_KV_HEADS, CFG_HEAD_DIM, CFG_INTER, CFG_EMBED, CFG_EMBED_QT,
     CFG_FINAL_NORM, CFG_ROT_DIM, CFG_NEOX, CFG_BLOCK_SIZE, CFG_QK_NORM, CFG_N
 };
-/* a linear layer's five entries, and a layer's row of the layer table */
-enum { LIN_W, LIN_QT, LIN_ACT, LIN_BIAS, LIN_ROWS, LIN_N };
+/* a linear layer's six entries (row16: the weight in ggml_q8_decode.c's layout, 0 when none), and a
+ * layer's row of the layer table */
+enum { LIN_W, LIN_QT, LIN_ACT, LIN_BIAS, LIN_ROWS, LIN_ROW16, LIN_N };
 enum { LY_IN_NORM, LY_POST_NORM, LY_K_CACHE, LY_V_CACHE, LY_COS_SIN, LY_WINDOW, LY_Q_NORM, LY_K_NORM, LY_QKV,
        LY_O = LY_QKV + LIN_N,
        LY_GATE_UP = LY_O + LIN_N, LY_DOWN = LY_GATE_UP + LIN_N, LY_N = LY_DOWN + LIN_N };
@@ -55,8 +58,11 @@ enum { LY_IN_NORM, LY_POST_NORM, LY_K_CACHE, LY_V_CACHE, LY_COS_SIN, LY_WINDOW, 
 static int linear(const int64_t *lin, const float *x, int64_t M, int64_t K, float *out) {
     const int64_t N = lin[LIN_ROWS];
     const uint8_t *w = PTR(const uint8_t *, lin[LIN_W]);
-    int rc = lin[LIN_ACT] ? ggml_matmul_q8(x, w, M, N, K, (int)lin[LIN_QT], out)
-                          : ggml_matmul_f32(x, w, M, N, K, (int)lin[LIN_QT], out);
+    /* int8 activations: the row16 copy below the many-row tiles' switch (GGMLLinear.forward's rule) */
+    const int row16 = lin[LIN_ACT] && lin[LIN_ROW16] && M < ggml_q8_tile_min_rows();
+    int rc = row16 ? ggml_matmul_q8_row16(x, PTR(const uint8_t *, lin[LIN_ROW16]), M, N, K, (int)lin[LIN_QT], out)
+             : lin[LIN_ACT] ? ggml_matmul_q8(x, w, M, N, K, (int)lin[LIN_QT], out)
+                            : ggml_matmul_f32(x, w, M, N, K, (int)lin[LIN_QT], out);
     const float *bias = PTR(const float *, lin[LIN_BIAS]);
     if (rc == TF_OK && bias)
         for (int64_t m = 0; m < M; m++)

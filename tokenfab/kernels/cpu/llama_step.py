@@ -23,7 +23,7 @@ from tokenfab.kernels.cpu.checks import (
 
 CFG_FIELDS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "embed", "embed_qtype",
               "final_norm", "rotary_dim", "neox", "block_size", "qk_norm")
-LINEAR_FIELDS = ("weight", "qtype", "act_q8", "bias", "rows")
+LINEAR_FIELDS = ("weight", "qtype", "act_q8", "bias", "rows", "row16")
 LINEARS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = ("input_norm", "post_norm", "k_cache", "v_cache", "cos_sin", "window", "q_norm", "k_norm") + tuple(
     f"{lin}.{f}" for lin in LINEARS for f in LINEAR_FIELDS)
