@@ -4,9 +4,10 @@ the weight repacked once at load, 16 rows interleaved per block, one VNNI lane p
 - it equals the torch reference bit for bit (so every other q8 path) for Q8_0, Q4_0 and Q4_1, at
   every M up to 2 x its 4-row register tile plus a tail, at N below, at and past a 16-row panel
   (a zero-padded last panel), with zero and extreme blocks;
-- GGMLLinear (act="q8") runs it below the many-row tiles' switch, rebuilds the copy when its packed
-  weight is replaced, and gives the same logits as the row path;
-- builds without AVX-512 VNNI have no such kernel: the layer keeps the row path there (said by skip).
+- GGMLLinear (act="q8") runs it below the many-row tiles' switch (at every M in a build without
+  them), rebuilds the copy when its packed weight is replaced, and gives the same logits as the row path;
+- the AVX2 build (x86-64-v3, no VNNI: vpmaddubsw, Q8_0 by sign) gives the same bits, in a subprocess;
+- builds without AVX2 have no such kernel: the layer keeps the row path there (said by skip).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_linear_runs_row16_below_the_tile_switch_and_rebuilds_it(qtype):
     k, n = 192, 40
     _, w = gm.random_q8_case(1, n, k, qtype, seed=3)
     lin = GGMLLinear(w, qtype, k, act="q8")
-    below = int(LIB.ggml_q8_tile_min_rows()) or 4
+    below = int(LIB.ggml_q8_tile_min_rows()) or 6  # 0: a build without the tiles runs row16 at every M
     for m in range(1, below + 3):
         x = torch.randn(m, k)
         want = gm.ggml_matmul_reference(x, w, qtype, k, act="q8")
@@ -106,3 +107,31 @@ def test_float32_activations_keep_no_row16_copy():
     lin = GGMLLinear(w, "Q4_1", 64, act="f32")
     lin(torch.randn(1, 64))
     assert lin.row16_weight() is None and lin.row16 is None
+
+
+_AVX2_CHECK = """
+import torch
+from tokenfab.kernels.cpu import native_library
+from tokenfab.kernels.cpu import ggml_matmul as gm
+lib = native_library()
+assert lib.ggml_q8_row16_built() == 1 and lib.ggml_q8_tile_min_rows() == 0
+for qt in ("Q8_0", "Q4_0", "Q4_1"):
+    for m, n, k in ((1, 37, 96), (4, 16, 32), (6, 50, 576)):
+        x, w = gm.random_q8_case(m, n, k, qt, seed=m + n)
+        p = torch.empty(lib.ggml_q8_row16_bytes(n, k, gm._QTYPE_ID[qt]), dtype=torch.uint8)
+        lib.ggml_q8_row16_pack(w.data_ptr(), n, k, gm._QTYPE_ID[qt], p.data_ptr())
+        out = torch.empty(m, n)
+        assert lib.ggml_matmul_q8_row16(x.data_ptr(), p.data_ptr(), m, n, k, gm._QTYPE_ID[qt], out.data_ptr()) == 0
+        ref = gm.ggml_matmul_reference(x, w, qt, k, act="q8")
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (qt, m, n, k)
+print("ok")
+"""
+
+
+def test_avx2_build_row16_equals_the_reference():
+    """x86-64-v3 (AVX2, FMA, F16C, no VNNI): vpmaddubsw, and Q8_0 as |w| times sign(w) * q_x."""
+    from tests.kernels.native_builds import AVX2, run_python
+
+    if LIB is None:
+        pytest.skip("no C compiler: no native kernels")
+    assert run_python(AVX2, ["-c", _AVX2_CHECK]).strip().endswith("ok")

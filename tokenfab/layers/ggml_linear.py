@@ -101,8 +101,10 @@ class GGMLLinear(nn.Module):
             # (the checked wrapper costs ~10-20 us a call, ~2 ms a token over 121 products)
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             w = self.qweight
-            if self.act == "q8" and x2.shape[0] < self._lib.ggml_q8_tile_min_rows():
-                # below the many-row tiles' switch: the row16 copy (the same bits, llama_step.c's rule)
+            tiles_from = self._lib.ggml_q8_tile_min_rows() if self.act == "q8" else 1
+            if self.act == "q8" and (tiles_from == 0 or x2.shape[0] < tiles_from):
+                # below the many-row tiles' switch (any M in a build without them): the row16 copy
+                # (the same bits; llama_step.c's rule)
                 r16 = self.row16 if self._row16_of is w else self.row16_weight()
                 if r16 is not None:
                     fn, w = self._lib.ggml_matmul_q8_row16, r16

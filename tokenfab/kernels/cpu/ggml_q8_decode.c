@@ -21,8 +21,10 @@
  * A record is as long as 16 GGML blocks (Q8_0 34, Q4_0 18, Q4_1 20 bytes each): the layout costs no
  * bytes beyond the padding of a last partial panel.
  *
- * AVX-512 with AVX512-VNNI and BW only; ggml_q8_row16_built() says whether this build has it (the
- * layer keeps GGML's layout and the row path elsewhere).
+ * Paths: AVX-512 with AVX512-VNNI and BW (16 rows a vector); AVX2 + F16C (8 rows a vector, two per
+ * panel), with AVX-VNNI's vpdpbusd where present, else vpmaddubsw (Q8_0 then multiplies |w| by
+ * sign(w) * q_x, as the 128-offset form would saturate it). A build without either (no AVX2) has no
+ * row16 kernel: ggml_q8_row16_built() says so, and the layer keeps GGML's layout and the row path.
  */
 #include "ggml_common.h"
 
@@ -111,6 +113,83 @@ Q8D_EXACT __attribute__((noinline)) static void row16_panels(int qt, int mt, con
         const __mmask16 keep = (__mmask16)((1u << rows) - 1u);
         for (int m = 0; m < mt; m++) _mm512_mask_storeu_ps(out + m * N + n0, keep, acc[m]);
     }
+}
+#elif (GG_AVX2 || GG_AVX512) && defined(__F16C__)
+#define R16_BUILT 1
+#define MR 4
+
+/* acc + the 8 int32 lane sums of u (unsigned bytes) times s (signed bytes), 4 products a lane; without
+ * VNNI the pairwise int16 sums of vpmaddubsw must not saturate: |u * s| pairs <= 2 * 128 * 127 */
+AI __m256i r16_dot(__m256i acc, __m256i u, __m256i s) {
+#if GG_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* the AVX-512 loop above, 8 rows (half a panel) a vector. Q8_0 without VNNI: u = w + 128 would
+ * saturate vpmaddubsw, so it multiplies |w| by sign(w) * q_x instead (offset 0) */
+Q8D_EXACT __attribute__((noinline)) static void row16_panels(int qt, int mt, const uint8_t *w, int64_t p0, int64_t p1,
+                                                             int64_t N, int64_t K, const int8_t *q, const float *d,
+                                                             const int32_t *sq, float *out) {
+    const int64_t nb = K / 32, rec = record_bytes(qt);
+    const int signed_q8 = qt == GQ8_0 && !GG_VNNI;
+    const int scales = qt == GQ4_1 ? 2 : 1;
+    const int offset = qt == GQ4_0 ? 8 : (qt == GQ8_0 && !signed_q8 ? 128 : 0);
+    const __m256i m4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t p = p0; p < p1; p++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t n0 = p * R16 + 8 * h;
+            if (n0 >= N) break;
+            __m256 acc[MR];
+            for (int m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+            const uint8_t *r = w + p * nb * rec;
+            for (int64_t b = 0; b < nb; b++, r += rec) {
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + 16 * h)));
+                const uint8_t *bytes = r + scales * 32 + 32 * h;
+                __m256i wv[8];
+                if (qt == GQ8_0) {
+                    for (int j = 0; j < 8; j++) {
+                        wv[j] = _mm256_loadu_si256((const __m256i *)(bytes + 64 * j));
+                        if (signed_q8) wv[j] = _mm256_xor_si256(wv[j], flip); /* back to w */
+                    }
+                } else {
+                    for (int j = 0; j < 4; j++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(bytes + 64 * j));
+                        wv[j] = _mm256_and_si256(v, m4);
+                        wv[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                }
+                for (int m = 0; m < mt; m++) {
+                    const int32_t *x4 = (const int32_t *)(q + m * K + b * 32);
+                    const int64_t i = m * nb + b;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int j = 0; j < 4; j++) {
+                        __m256i xa = _mm256_set1_epi32(x4[j]), xb = _mm256_set1_epi32(x4[4 + j]);
+                        __m256i ua = wv[j], ub = wv[4 + j];
+                        if (signed_q8) {
+                            xa = _mm256_sign_epi8(xa, ua), xb = _mm256_sign_epi8(xb, ub);
+                            ua = _mm256_abs_epi8(ua), ub = _mm256_abs_epi8(ub);
+                        }
+                        s0 = r16_dot(s0, ua, xa);
+                        s1 = r16_dot(s1, ub, xb);
+                    }
+                    __m256i dot = _mm256_add_epi32(s0, s1);
+                    if (offset) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offset * sq[i]));
+                    const float dx = d[i];
+                    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(dx)));
+                    if (qt == GQ4_1) {
+                        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + 32 + 16 * h)));
+                        t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sq[i])));
+                    }
+                    acc[m] = _mm256_add_ps(acc[m], t);
+                }
+            }
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int m = 0; m < mt; m++) _mm256_maskstore_ps(out + m * N + n0, keep, acc[m]);
+        }
 }
 #else
 #define R16_BUILT 0

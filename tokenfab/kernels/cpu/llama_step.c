@@ -58,8 +58,10 @@ enum { LY_IN_NORM, LY_POST_NORM, LY_K_CACHE, LY_V_CACHE, LY_COS_SIN, LY_WINDOW, 
 static int linear(const int64_t *lin, const float *x, int64_t M, int64_t K, float *out) {
     const int64_t N = lin[LIN_ROWS];
     const uint8_t *w = PTR(const uint8_t *, lin[LIN_W]);
-    /* int8 activations: the row16 copy below the many-row tiles' switch (GGMLLinear.forward's rule) */
-    const int row16 = lin[LIN_ACT] && lin[LIN_ROW16] && M < ggml_q8_tile_min_rows();
+    /* int8 activations: the row16 copy below the many-row tiles' switch, or at any M in a build
+     * without the tiles (GGMLLinear.forward's rule) */
+    const int tiles_from = lin[LIN_ACT] && lin[LIN_ROW16] ? ggml_q8_tile_min_rows() : 0;
+    const int row16 = lin[LIN_ACT] && lin[LIN_ROW16] && (tiles_from == 0 || M < tiles_from);
     int rc = row16 ? ggml_matmul_q8_row16(x, PTR(const uint8_t *, lin[LIN_ROW16]), M, N, K, (int)lin[LIN_QT], out)
              : lin[LIN_ACT] ? ggml_matmul_q8(x, w, M, N, K, (int)lin[LIN_QT], out)
                             : ggml_matmul_f32(x, w, M, N, K, (int)lin[LIN_QT], out);
