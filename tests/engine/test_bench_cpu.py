@@ -132,3 +132,16 @@ def test_batched_bench_run_that_lost_its_table_is_repeated(tmp_path, monkeypatch
     out = llama_cpp_tools.run_batched_bench("m.gguf", 2, [1, 4, 16, 48], 32, 128)
     assert out["runs"] == 2 and [int(r["B"]) for r in out["rows"]] == [1, 4, 16, 48]
     assert "n_threads = 2" in out["settings_line"]
+
+
+def test_bounds_use_the_int8_peak_for_an_int8_activation_run():
+    roof = {"copy": {"gb_s": 10.0}, "fp32_matmul": {"gflop_s": 100.0}, "int8_matmul": {"gop_s": 400.0},
+            "model": {"weight_bytes": 100_000_000, "parameters": 100_000_000}}
+    ours = {"prefill": {"workload": "pp512"}, "decode": {"workload": "tg128"},
+            "batched": [{"workload": "B=16", "batch": 16}], "settings": {"quantization": "gguf"}}
+    assert cpu.bounds(roof, ours)["pp512"] == pytest.approx(500.0)
+    assert cpu.bounds(roof, ours)["B=16"] == pytest.approx(500.0)  # compute-bound at 16 sequences
+    ours["settings"]["quantization"] = "gguf-q8act"
+    assert cpu.bounds(roof, ours)["pp512"] == pytest.approx(2000.0)
+    assert cpu.bounds(roof, ours)["B=16"] == pytest.approx(1600.0)  # now the memory side: 16 x 100
+    assert cpu.bounds(roof, ours)["tg128"] == pytest.approx(100.0)

@@ -161,13 +161,16 @@ def ratios(ours: dict[str, Any], llama: dict[str, Any], hf: dict[str, Any]) -> d
 
 
 def bounds(roof: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
-    """The roofline bound of each workload (tokens/s)."""
+    """The roofline bound of each workload (tokens/s). The compute side is the float32 FMA peak, or
+    the int8 matmul peak for a run whose products are int8 (``gguf-q8act``)."""
     w = roof["model"]
-    bw, fp32 = roof["copy"]["gb_s"], roof["fp32_matmul"]["gflop_s"] * 1e9
-    out = {ours["prefill"]["workload"]: roofline.prefill_bound(fp32, w["parameters"]),
-           ours["decode"]["workload"]: roofline.decode_bound(1, bw, w["weight_bytes"], fp32, w["parameters"])}
+    bw, peak = roof["copy"]["gb_s"], roof["fp32_matmul"]["gflop_s"] * 1e9
+    if ours.get("settings", {}).get("quantization") == "gguf-q8act" and roof.get("int8_matmul"):
+        peak = roof["int8_matmul"]["gop_s"] * 1e9
+    out = {ours["prefill"]["workload"]: roofline.prefill_bound(peak, w["parameters"]),
+           ours["decode"]["workload"]: roofline.decode_bound(1, bw, w["weight_bytes"], peak, w["parameters"])}
     for row in ours["batched"]:
-        out[row["workload"]] = roofline.decode_bound(row["batch"], bw, w["weight_bytes"], fp32, w["parameters"])
+        out[row["workload"]] = roofline.decode_bound(row["batch"], bw, w["weight_bytes"], peak, w["parameters"])
     if roof.get("int8_matmul"):
         out[f"{ours['prefill']['workload']} (int8 peak)"] = roofline.prefill_bound(
             roof["int8_matmul"]["gop_s"] * 1e9, w["parameters"])

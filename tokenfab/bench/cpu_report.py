@@ -46,8 +46,9 @@ def _roofline_lines(r: dict[str, Any]) -> list[str]:
     types = ", ".join(f"{k} x{v}" for k, v in sorted(w["tensor_types"].items()))
     lines += [f"- model: {w['weight_bytes'] / 1e6:.1f} MB of tensors ({types}), {w['parameters'] / 1e6:.1f} M "
               "parameters; every byte is read per decode step (embedding tied to the output head)",
-              "- bounds: decode at B sequences <= min(B x bandwidth / weight bytes, FMA peak / (2 x parameters)); "
-              "prefill <= FMA peak / (2 x parameters) (attention and KV reads left out)"]
+              "- bounds: decode at B sequences <= min(B x bandwidth / weight bytes, peak / (2 x parameters)); "
+              "prefill <= peak / (2 x parameters) (attention and KV reads left out); peak: the FMA proxy, the "
+              "int8 proxy for an int8-activation run (gguf-q8act)"]
     return lines
 
 
