@@ -16,6 +16,7 @@ KV cache or reloaded weights rebuild them).
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -69,6 +70,8 @@ class NativeLlamaStep:
         #: while the model holds these very objects
         self.why_not = self._build(model)  # first: it builds the layers' row16 copies the tables point to
         self.tensors = list(self._tensors_of(model))
+        # the same, column-wise, for current()'s C-level maps
+        self._slots, self._names, self._objects = ([e[i] for e in self.tensors] for i in range(3))
 
     def _build(self, model: nn.Module) -> str | None:
         cfg_model = model.model
@@ -141,8 +144,9 @@ class NativeLlamaStep:
 
     def current(self) -> bool:
         """Whether every tensor the tables point to is still the model's (same objects): one dict
-        lookup per tensor, where walking the modules' attributes cost ~0.3 ms a step."""
-        return all(slots.get(name) is t for slots, name, t in self.tensors)
+        lookup per tensor, where walking the modules' attributes cost ~0.3 ms a step; the lookups run
+        as maps in C (a generator over the ~570 entries of the bundled model cost ~0.3 ms more)."""
+        return all(map(operator.is_, map(dict.get, self._slots, self._names), self._objects))
 
     @staticmethod
     def _tensors_of(model: nn.Module) -> list[tuple[dict, str, Any]]:
@@ -172,9 +176,8 @@ class NativeLlamaStep:
             watch(getattr(a, "q_norm", None), "weight")
             watch(getattr(a, "k_norm", None), "weight")
             for lin in (a.qkv_proj, a.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)):
-                watch(lin, "qweight")
+                watch(lin, "qweight")  # (its row16 copy follows it: GGMLLinear.row16_weight)
                 watch(lin, "bias")
-                watch(lin, "row16")
         return out
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -189,10 +189,17 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         tables_t = torch.tensor(tables, dtype=torch.int32).view(len(seqs), max_blocks)
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        block_of_token = tables_t[seq_of_token, pos_t // self.block_size].long()
-        slots = block_of_token * self.block_size + pos_t % self.block_size
+        bs = self.block_size
+        if all(n == 1 for n in num_new_tokens):
+            # decode: one token a sequence, so its slot is one lookup in its own table (at decode
+            # batch sizes cheaper than the six small tensor ops below: ~0.1 ms a step on CPU)
+            slots = torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+                                 dtype=torch.int64)
+        else:
+            q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
+            seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+            block_of_token = tables_t[seq_of_token, pos_t // bs].long()
+            slots = block_of_token * bs + pos_t % bs
         logits_idx = [r for i, s in enumerate(sample_mask) if s
                       for r in range(cu[i + 1] - 1 - len(seqs[i].spec_token_ids), cu[i + 1])]
         prompt_idx = None
