@@ -23,7 +23,7 @@ QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 LIB = native_library()
 needs_row16 = pytest.mark.skipif(
     LIB is None or not LIB.ggml_q8_row16_built(),
-    reason="the row16 decode kernel is AVX-512 VNNI only; this build runs the q8 row path for every M "
+    reason="this build has no row16 decode kernel (it needs AVX2); it runs the q8 row path for every M "
            "(tests/kernels/test_ggml_q8_tiles.py)" if LIB is not None else "no C compiler: no native kernels")
 
 

@@ -94,8 +94,8 @@ def batched_bench_header(text: str) -> str | None:
 
 
 def _run(cmd: list[str], timeout: float, with_stderr: bool = False) -> str:
-    """The tool's stdout (and then its stderr with ``with_stderr``: llama.cpp's log, where builds
-    that route ``LOG`` there print llama-batched-bench's table)."""
+    """The tool's stdout (and then its stderr with ``with_stderr``: llama-batched-bench prints its
+    table to stdout and its settings line, ``batched_bench_header``'s, to stderr)."""
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} exited {out.returncode}: {out.stderr.strip()[-800:]}")

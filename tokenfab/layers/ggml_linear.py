@@ -76,7 +76,7 @@ class GGMLLinear(nn.Module):
 
     def row16_weight(self) -> torch.Tensor | None:
         """The weight in the row16 layout of the int8 decode kernel, or None (float32 activations,
-        no native library, or a build without the kernel: AVX-512 VNNI only)."""
+        no native library, or a build without the kernel: one without AVX2)."""
         lib = native_library() if self.act == "q8" else None
         if lib is None or not lib.ggml_q8_row16_built() or self.qweight.is_cuda:
             return None
@@ -101,12 +101,12 @@ class GGMLLinear(nn.Module):
             # (the checked wrapper costs ~10-20 us a call, ~2 ms a token over 121 products)
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             w = self.qweight
-            tiles_from = self._lib.ggml_q8_tile_min_rows() if self.act == "q8" else 1
-            if self.act == "q8" and (tiles_from == 0 or x2.shape[0] < tiles_from):
-                # below the many-row tiles' switch (any M in a build without them): the row16 copy
-                # (the same bits; llama_step.c's rule)
+            if self.act == "q8":
+                # below the many-row tiles' switch (any M in a build without them, 0): the row16
+                # copy (the same bits; llama_step.c's rule)
+                tiles_from = self._lib.ggml_q8_tile_min_rows()
                 r16 = self.row16 if self._row16_of is w else self.row16_weight()
-                if r16 is not None:
+                if r16 is not None and (tiles_from == 0 or x2.shape[0] < tiles_from):
                     fn, w = self._lib.ggml_matmul_q8_row16, r16
             if x2.shape[0]:
                 check_status(fn(x2.data_ptr(), w.data_ptr(), x2.shape[0], self.out_features,

@@ -217,16 +217,12 @@ Q8_EXACT AMX_TARGET __attribute__((noinline)) static void amx_tile(int qt, int m
 /* x [M, K] quantized per 32-block to int8 (as ggml_matmul_q8), the block products on AMX tiles */
 int ggml_matmul_q8_amx(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt], mp = (M + TM - 1) / TM * TM;
-    int8_t *q = calloc((size_t)(mp * K) + 1, 1); /* rows M .. mp - 1 stay 0: whole tiles load */
-    float *d = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(float));
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(M * nb) + sizeof(int32_t));
-    if (!q || !d || !sq) {
-        free(q);
-        free(d);
-        free(sq);
+    q8_acts a;
+    if (q8_acts_quantize(x, M, K, mp * K, &a) != TF_OK) /* rows M .. mp - 1 stay 0: whole tiles load */
         return TF_ENOMEM;
-    }
-    ggml_quantize_rows_q8(x, M, K, q, d, sq);
+    int8_t *q = a.q;
+    float *d = a.d;
+    int32_t *sq = a.sq;
     const int64_t chunks = (N + TN - 1) / TN;
     int rc = TF_OK;
 #pragma omp parallel num_threads(tf_nthreads()) if (N * K * M >= PAR_MIN_WORK)
@@ -255,9 +251,7 @@ int ggml_matmul_q8_amx(const float *x, const uint8_t *w, int64_t M, int64_t N, i
         free(dw);
         free(mw);
     }
-    free(q);
-    free(d);
-    free(sq);
+    free(q); /* (and d, sq: one allocation) */
     return rc;
 }
 #else

@@ -84,6 +84,15 @@ static const int64_t BLOCK_BYTES[4] = {34, 18, 20, 128};
  * the one activation quantizer of the q8 paths (VNNI and AMX) */
 void ggml_quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sq);
 
+/* The quantized activations of one q8 product in one allocation (free(a.q) frees them): q holds
+ * q_bytes >= M * K bytes, those past M * K zeroed (a path's paired copy, or AMX's whole tiles) */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sq;
+} q8_acts;
+int q8_acts_quantize(const float *x, int64_t M, int64_t K, int64_t q_bytes, q8_acts *a); /* TF_OK / TF_ENOMEM */
+
 /* ---------- software prefetch of the weight stream ---------- */
 
 /* Decode reads each weight byte once, as one sequential stream per thread, and on a 2-core VM

@@ -60,6 +60,16 @@ __attribute__((optimize("no-fast-math"))) void ggml_quantize_rows_q8(const float
     }
 }
 
+int q8_acts_quantize(const float *x, int64_t M, int64_t K, int64_t q_bytes, q8_acts *a) {
+    const int64_t nb = K / 32, qb = (q_bytes + 64) / 64 * 64; /* d and sq start 64-byte aligned */
+    uint8_t *mem = malloc((size_t)(qb + 2 * 4 * M * nb) + 4);
+    if (!mem) return TF_ENOMEM;
+    a->q = (int8_t *)mem, a->d = (float *)(mem + qb), a->sq = (int32_t *)(mem + qb + 4 * M * nb);
+    memset(mem + M * K, 0, (size_t)(qb - M * K));
+    ggml_quantize_rows_q8(x, M, K, a->q, a->d, a->sq);
+    return TF_OK;
+}
+
 #include "ggml_q8_dot.h"
 
 /* is[m][j] = integer dot product of weight block g + j (j < gl; 0 beyond) with activation row m;
@@ -337,23 +347,17 @@ void ggml_q8_set_tile_min_rows(int rows) { q8_tile_min_rows = rows > 0 ? rows : 
 int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
     const int64_t nb = K / 32, rb = nb * BLOCK_BYTES[qt];
     const int tiles = Q8T_BUILT && M >= q8_tile_min_rows;
-    int8_t *q = malloc((size_t)((tiles ? 1 : 2) * M * K) + 1); /* q, then (row tiles) q paired */
-    float *d = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(float));
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(M * nb) + sizeof(int32_t));
-    if (!q || !d || !sq) {
-        free(q);
-        free(d);
-        free(sq);
+    q8_acts a;
+    if (q8_acts_quantize(x, M, K, (tiles ? 1 : 2) * M * K, &a) != TF_OK) /* q, then (row tiles) q paired */
         return TF_ENOMEM;
-    }
-    ggml_quantize_rows_q8(x, M, K, q, d, sq);
+    int8_t *q = a.q;
+    float *d = a.d;
+    int32_t *sq = a.sq;
     int rc = TF_OK;
 #if Q8T_BUILT
     if (tiles) {
         rc = q8t_matmul(qt, w, rb, M, N, K, q, d, sq, out);
         free(q);
-        free(d);
-        free(sq);
         return rc;
     }
 #endif
@@ -370,7 +374,5 @@ int ggml_matmul_q8(const float *x, const uint8_t *w, int64_t M, int64_t N, int64
         }
     }
     free(q);
-    free(d);
-    free(sq);
     return rc;
 }

@@ -31,8 +31,6 @@
 #define R16 16
 #define Q8D_EXACT __attribute__((optimize("no-fast-math", "fp-contract=off")))
 
-void ggml_quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *sq);
-
 /* bytes of one 16-row block record */
 static int64_t record_bytes(int qt) { return 16 * BLOCK_BYTES[qt]; }
 
@@ -202,16 +200,11 @@ int ggml_q8_row16_built(void) { return R16_BUILT; }
 int ggml_matmul_q8_row16(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int qt, float *out) {
 #if R16_BUILT
     const int64_t nb = K / 32, panels = (N + R16 - 1) / R16;
-    int8_t *q = malloc((size_t)(M * K) + 64);
-    float *d = malloc(sizeof(float) * (size_t)(M * nb) + sizeof(float));
-    int32_t *sq = malloc(sizeof(int32_t) * (size_t)(M * nb) + sizeof(int32_t));
-    if (!q || !d || !sq) {
-        free(q);
-        free(d);
-        free(sq);
-        return TF_ENOMEM;
-    }
-    ggml_quantize_rows_q8(x, M, K, q, d, sq);
+    q8_acts a;
+    if (q8_acts_quantize(x, M, K, M * K, &a) != TF_OK) return TF_ENOMEM;
+    const int8_t *q = a.q;
+    const float *d = a.d;
+    const int32_t *sq = a.sq;
     const int nt = tf_nthreads();
     const int par = N * K * (M < MR ? M : MR) >= PAR_MIN_WORK && nt > 1;
 #pragma omp parallel num_threads(nt) if (par)
@@ -230,9 +223,7 @@ int ggml_matmul_q8_row16(const float *x, const uint8_t *w, int64_t M, int64_t N,
             }
         }
     }
-    free(q);
-    free(d);
-    free(sq);
+    free(a.q);
     return TF_OK;
 #else
     (void)x, (void)w, (void)M, (void)N, (void)K, (void)qt, (void)out;
